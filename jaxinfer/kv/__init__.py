@@ -1,0 +1,20 @@
+"""Paged KV cache: device-side state and host-side page bookkeeping."""
+
+from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator
+from jaxinfer.kv.paged_state import (
+    NULL_PAGE,
+    KVCacheSpec,
+    PagedKVState,
+    block_table_array,
+    init_paged_kv,
+)
+
+__all__ = [
+    "NULL_PAGE",
+    "KVCacheSpec",
+    "OutOfPagesError",
+    "PageAllocator",
+    "PagedKVState",
+    "block_table_array",
+    "init_paged_kv",
+]

@@ -1,0 +1,142 @@
+"""The paged KV cache as an immutable, fixed-shape pytree.
+
+A sequence's cache is a list of logical blocks of `page_size` tokens; its row of the
+block table names the physical page holding each block::
+
+    block_tables[slot] = [7, 2, 9, NULL_PAGE, ...]     page_size = 4, lengths[slot] = 10
+    logical token:   0 1 2 3 | 4 5 6 7 | 8 9 . .
+    physical page:   7       | 2       | 9 (half full)
+
+Page `NULL_PAGE` is never handed out by the allocator: unused block-table entries point
+at it, and every read of it is masked because it lies beyond the sequence length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+
+NULL_PAGE = 0  # reserved physical page; block-table entries with no page point here
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """Fixed sizes of the paged cache, chosen once per engine."""
+
+    num_pages: int  # physical pages in the pool, including the reserved NULL_PAGE
+    page_size: int  # tokens per page
+    max_slots: int  # sequences that can be resident at once
+    max_pages_per_seq: int  # block-table width; bounds a sequence at max_seq_len tokens
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_slots", "max_pages_per_seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page {NULL_PAGE} is reserved)")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.page_size * self.max_pages_per_seq
+
+    @classmethod
+    def for_batch(cls, max_slots: int, max_seq_len: int, page_size: int = 16) -> KVCacheSpec:
+        """A pool just large enough for `max_slots` sequences of `max_seq_len` tokens."""
+        pages_per_seq = -(-max_seq_len // page_size)
+        return cls(
+            num_pages=max_slots * pages_per_seq + 1,
+            page_size=page_size,
+            max_slots=max_slots,
+            max_pages_per_seq=pages_per_seq,
+        )
+
+
+@struct.dataclass
+class PagedKVState:
+    k_pages: jax.Array  # [n_layers, num_pages, page_size, n_kv_heads, head_dim]
+    v_pages: jax.Array  # [n_layers, num_pages, page_size, n_kv_heads, head_dim]
+    block_tables: jax.Array  # i32[max_slots, max_pages_per_seq]
+    lengths: jax.Array  # i32[max_slots]: tokens already cached per slot
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def max_slots(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_tables.shape[1]
+
+
+def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None) -> PagedKVState:
+    """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0."""
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (config.n_layers, spec.num_pages, spec.page_size, config.n_kv_heads, config.head_dim)
+    return PagedKVState(
+        k_pages=jnp.zeros(shape, dtype),
+        v_pages=jnp.zeros(shape, dtype),
+        block_tables=jnp.full((spec.max_slots, spec.max_pages_per_seq), NULL_PAGE, jnp.int32),
+        lengths=jnp.zeros((spec.max_slots,), jnp.int32),
+    )
+
+
+def block_table_array(pages_per_slot: list[list[int]], max_pages_per_seq: int) -> np.ndarray:
+    """Host helper: per-slot page lists -> i32[len(pages_per_slot), max_pages_per_seq]."""
+    table = np.full((len(pages_per_slot), max_pages_per_seq), NULL_PAGE, np.int32)
+    for slot, pages in enumerate(pages_per_slot):
+        if len(pages) > max_pages_per_seq:
+            raise ValueError(f"slot {slot} has {len(pages)} pages > {max_pages_per_seq=}")
+        table[slot, : len(pages)] = pages
+    return table
+
+
+@struct.dataclass
+class WriteIndices:
+    """Where this step's new tokens land; computed once per forward, shared by all layers."""
+
+    page_ids: jax.Array  # i32[B, T]; == num_pages (out of bounds, dropped) for padding
+    offsets: jax.Array  # i32[B, T]: slot within the page
+    cache_index: jax.Array  # i32[B, T]: logical position of each new token in its sequence
+    new_lengths: jax.Array  # i32[B]
+
+
+def write_indices(state: PagedKVState, num_new: jax.Array, seq_len: int) -> WriteIndices:
+    """Place `num_new[b]` tokens (of a padded row of `seq_len`) after each slot's cache.
+
+    Padding tokens (t >= num_new[b]), tokens beyond the block table and tokens whose
+    block is NULL_PAGE get the page id `num_pages`, which `scatter(mode="drop")`
+    discards: they can never overwrite a page, the reserved one included.
+    """
+    t = jnp.arange(seq_len, dtype=jnp.int32)
+    cache_index = state.lengths[:, None] + t[None, :]  # [B, T]
+    logical_page = cache_index // state.page_size
+    in_table = logical_page < state.max_pages_per_seq
+    page_ids = jnp.take_along_axis(
+        state.block_tables, jnp.minimum(logical_page, state.max_pages_per_seq - 1), axis=1
+    )
+    valid = (t[None, :] < num_new[:, None]) & in_table & (page_ids != NULL_PAGE)
+    return WriteIndices(
+        page_ids=jnp.where(valid, page_ids, state.num_pages),
+        offsets=cache_index % state.page_size,
+        cache_index=cache_index,
+        new_lengths=state.lengths + num_new,
+    )
+
+
+def write_layer(pages: jax.Array, layer: int, new: jax.Array, idx: WriteIndices) -> jax.Array:
+    """Scatter new: [B, T, Hkv, Dh] into pages: [L, P, page, Hkv, Dh] at `layer`."""
+    return pages.at[layer, idx.page_ids, idx.offsets].set(new.astype(pages.dtype), mode="drop")

@@ -1,0 +1,105 @@
+"""Model parameters as a pytree of plain arrays.
+
+Linear weights are stored `[out_features, in_features]` (the HF/GGUF row layout); the
+forward multiplies `x @ w.T`. On XLA:CPU this [N, K] layout is the faster one for the
+49152-wide LM head, and it means loaders copy tensors without transposing.
+Layers are a tuple (not a stacked array) because the forward unrolls them: on XLA:CPU
+unrolled layers beat `lax.scan`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: jax.Array  # [d_model]
+    wq: jax.Array  # [n_heads * head_dim, d_model]
+    wk: jax.Array  # [n_kv_heads * head_dim, d_model]
+    wv: jax.Array  # [n_kv_heads * head_dim, d_model]
+    wo: jax.Array  # [d_model, n_heads * head_dim]
+    mlp_norm: jax.Array  # [d_model]
+    w_gate: jax.Array  # [ffn_dim, d_model]
+    w_up: jax.Array  # [ffn_dim, d_model]
+    w_down: jax.Array  # [d_model, ffn_dim]
+    bq: jax.Array | None = None  # [n_heads * head_dim]     (Qwen2 only)
+    bk: jax.Array | None = None  # [n_kv_heads * head_dim]  (Qwen2 only)
+    bv: jax.Array | None = None  # [n_kv_heads * head_dim]  (Qwen2 only)
+
+
+@struct.dataclass
+class ModelParams:
+    embed: jax.Array  # [vocab_size, d_model]
+    layers: tuple[LayerParams, ...]
+    final_norm: jax.Array  # [d_model]
+    lm_head: jax.Array | None = None  # [vocab_size, d_model]; None when tied to `embed`
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every per-layer tensor (keys are `LayerParams` field names)."""
+    c = config
+    shapes = {
+        "attn_norm": (c.d_model,),
+        "wq": (c.n_heads * c.head_dim, c.d_model),
+        "wk": (c.n_kv_heads * c.head_dim, c.d_model),
+        "wv": (c.n_kv_heads * c.head_dim, c.d_model),
+        "wo": (c.d_model, c.n_heads * c.head_dim),
+        "mlp_norm": (c.d_model,),
+        "w_gate": (c.ffn_dim, c.d_model),
+        "w_up": (c.ffn_dim, c.d_model),
+        "w_down": (c.d_model, c.ffn_dim),
+    }
+    if c.attn_bias:
+        shapes |= {
+            "bq": (c.n_heads * c.head_dim,),
+            "bk": (c.n_kv_heads * c.head_dim,),
+            "bv": (c.n_kv_heads * c.head_dim,),
+        }
+    return shapes
+
+
+def build_params(config: ModelConfig, get, *, dtype=None) -> ModelParams:
+    """Assemble `ModelParams` from a lookup `get(name, shape) -> np.ndarray`.
+
+    Names are `embed`, `final_norm`, `lm_head` and `layers.{i}.{field}`. Every loader
+    (GGUF, HF, random init) goes through here, so shape checks live in one place:
+    a mismatch raises `ValueError` naming the tensor.
+    """
+    dtype = jnp.dtype(dtype or config.dtype)
+
+    def fetch(name: str, shape: tuple[int, ...]) -> jax.Array:
+        array = np.asarray(get(name, shape))
+        if array.shape != shape:
+            raise ValueError(f"tensor {name!r} has shape {array.shape}, expected {shape}")
+        return jnp.asarray(array, dtype=dtype)
+
+    layer_shapes = expected_shapes(config)
+    layers = tuple(
+        LayerParams(**{f: fetch(f"layers.{i}.{f}", s) for f, s in layer_shapes.items()})
+        for i in range(config.n_layers)
+    )
+    vd = (config.vocab_size, config.d_model)
+    return ModelParams(
+        embed=fetch("embed", vd),
+        layers=layers,
+        final_norm=fetch("final_norm", (config.d_model,)),
+        lm_head=None if config.tie_embeddings else fetch("lm_head", vd),
+    )
+
+
+def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> ModelParams:
+    """Random weights for tests and examples (norm weights near one)."""
+    rng = np.random.default_rng(seed)
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm"):
+            return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        return scale * rng.standard_normal(shape, dtype=np.float32)
+
+    return build_params(config, get)

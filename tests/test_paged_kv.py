@@ -1,0 +1,163 @@
+"""The paged cache: isolation, equivalence of prefill/decode/chunking, allocator invariants."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.kv import NULL_PAGE, KVCacheSpec, OutOfPagesError, PageAllocator
+from jaxinfer.model import forward
+from jaxinfer.model.attention import paged_attention_reference
+from tiny_models import kv_with_pages, random_tokens, tiny_model
+
+SPEC = KVCacheSpec(num_pages=24, page_size=4, max_slots=2, max_pages_per_seq=6)
+T = 19  # not a page multiple: the last page is partly filled
+
+
+def full_forward(config, params, tokens, pages, fill=0.0):
+    kv = kv_with_pages(config, SPEC, pages, fill)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return forward(params, config, jnp.asarray(tokens), pos, kv)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_permuted_block_tables_and_poisoned_pages_do_not_change_outputs(heads):
+    config, params = tiny_model(n_heads=heads[0], n_kv_heads=heads[1])
+    tokens = random_tokens((2, T), config.vocab_size)
+    contiguous = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    scattered = [[17, 3, 22, 9, 12], [5, 20, 1, 14, 8]]
+    ref, _ = full_forward(config, params, tokens, contiguous)
+    # Every page that is not the sequence's own holds NaN; so does the unwritten tail of
+    # each sequence's last page. Any read of them would turn the logits into NaN.
+    out, kv = full_forward(config, params, tokens, scattered, fill=np.nan)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(kv.lengths), [T, T])
+
+
+def test_other_slots_pages_cannot_leak_into_a_sequence():
+    """Slot 1 writes huge values into its pages; slot 0's logits are unchanged by them."""
+    config, params = tiny_model()
+    a = random_tokens((1, T), config.vocab_size, seed=1)
+    pages = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    quiet, _ = full_forward(config, params, np.concatenate([a, a]), pages)
+    noisy_kv = kv_with_pages(config, SPEC, pages)
+    noisy_kv = noisy_kv.replace(k_pages=noisy_kv.k_pages.at[:, 6:11].set(1e4), v_pages=noisy_kv.v_pages.at[:, 6:11].set(-1e4))
+    pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+    noisy, _ = forward(params, config, jnp.asarray(np.concatenate([a, a])), pos, noisy_kv,
+                       num_new=jnp.array([T, 0], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(noisy)[0], np.asarray(quiet)[0])
+
+
+def test_prefill_then_decode_equals_one_full_forward():
+    config, params = tiny_model()
+    tokens = random_tokens((2, T), config.vocab_size, seed=2)
+    pages = [[3, 1, 9, 4, 2], [5, 8, 6, 7, 10]]
+    full, _ = full_forward(config, params, tokens, pages)
+
+    prompt = 7
+    kv = kv_with_pages(config, SPEC, pages, fill=np.nan)
+    pos = jnp.broadcast_to(jnp.arange(prompt), (2, prompt))
+    logits, kv = forward(params, config, jnp.asarray(tokens[:, :prompt]), pos, kv)
+    steps = [logits]
+    for t in range(prompt, T):
+        logits, kv = forward(params, config, jnp.asarray(tokens[:, t : t + 1]), kv.lengths[:, None], kv)
+        steps.append(logits)
+    incremental = np.concatenate([np.asarray(s) for s in steps], axis=1)
+    np.testing.assert_allclose(incremental, np.asarray(full), atol=2e-5, rtol=0)
+
+
+def test_chunked_prefill_with_ragged_padding_equals_one_shot():
+    """Rows advance by different amounts per call; padding tokens write nothing."""
+    config, params = tiny_model()
+    tokens = random_tokens((2, T), config.vocab_size, seed=3)
+    pages = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    full, _ = full_forward(config, params, tokens, pages)
+
+    kv = kv_with_pages(config, SPEC, pages, fill=np.nan)
+    chunk, done = 5, np.zeros(2, np.int64)
+    takes = [np.array([5, 3]), np.array([5, 5]), np.array([4, 5]), np.array([5, 5]), np.array([0, 1])]
+    got = [[], []]
+    for take in takes:
+        batch = np.zeros((2, chunk), np.int32)
+        for b in range(2):
+            batch[b, : take[b]] = tokens[b, done[b] : done[b] + take[b]]
+        pos = jnp.asarray(done[:, None] + np.arange(chunk), jnp.int32)
+        logits, kv = forward(params, config, jnp.asarray(batch), pos, kv, num_new=jnp.asarray(take, jnp.int32))
+        for b in range(2):
+            got[b].append(np.asarray(logits)[b, : take[b]])
+        done += take
+    assert list(done) == [T, T]
+    for b in range(2):
+        np.testing.assert_allclose(np.concatenate(got[b]), np.asarray(full)[b], atol=2e-5, rtol=0)
+
+
+def test_reference_attention_hand_computed():
+    """One query, two keys, one head, Dh=1: scores q*k = [0, ln 3] -> softmax [1/4, 3/4].
+
+    Output = 1/4 * v0 + 3/4 * v1 = 1/4 * 4 + 3/4 * 8 = 7. Key 2 is past the length, key 3
+    lies on a poisoned page.
+    """
+    k_pages = jnp.array([[[[np.nan]], [[np.nan]]], [[[0.0]], [[np.log(3.0)]]], [[[5.0]], [[np.nan]]]])
+    v_pages = jnp.array([[[[np.nan]], [[np.nan]]], [[[4.0]], [[8.0]]], [[[100.0]], [[np.nan]]]])
+    q = jnp.ones((1, 1, 1, 1))
+    out = paged_attention_reference(q, k_pages, v_pages, jnp.array([[1, 2]]), jnp.array([2]), jnp.array([[1]]), scale=1.0)
+    np.testing.assert_allclose(np.asarray(out).ravel(), [7.0], rtol=1e-6)
+
+
+def test_writes_to_unallocated_blocks_are_dropped():
+    """A block-table entry of NULL_PAGE is never written, so the reserved page stays clean."""
+    config, params = tiny_model()
+    tokens = random_tokens((2, 8), config.vocab_size)
+    kv = kv_with_pages(config, SPEC, [[1], [2]])  # room for 4 tokens, 8 arrive
+    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    _, kv = forward(params, config, jnp.asarray(tokens), pos, kv)
+    assert not np.asarray(kv.k_pages[:, NULL_PAGE]).any()
+    assert not np.asarray(kv.k_pages[:, 3:]).any()
+
+
+# ---- PageAllocator properties -------------------------------------------------------------
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 6)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_pages=st.integers(2, 20), script=ops)
+def test_allocator_never_hands_out_a_page_twice(num_pages, script):
+    alloc = PageAllocator(num_pages)
+    owned: list[list[int]] = []
+    for op, n in script:
+        if op == "alloc":
+            before = alloc.num_free
+            if n > before:
+                with pytest.raises(OutOfPagesError):
+                    alloc.allocate(n)
+                assert alloc.num_free == before  # all or nothing
+                continue
+            owned.append(alloc.allocate(n))
+        elif owned:
+            alloc.free(owned.pop(n % len(owned)))
+        held = [p for pages in owned for p in pages]
+        assert len(held) == len(set(held)), "a page is owned twice"
+        assert NULL_PAGE not in held
+        assert all(0 < p < num_pages for p in held)
+        assert alloc.num_free + len(held) == num_pages - 1  # conservation
+
+
+def test_allocator_rejects_bad_frees():
+    alloc = PageAllocator(5)
+    pages = alloc.allocate(2)
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free([4])
+    with pytest.raises(ValueError, match="twice"):
+        alloc.free([pages[0], pages[0]])
+    alloc.free(pages)
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(pages)
+    with pytest.raises(ValueError):
+        PageAllocator(1)
+    with pytest.raises(ValueError):
+        KVCacheSpec(num_pages=8, page_size=0, max_slots=1, max_pages_per_seq=2)
