@@ -1,0 +1,110 @@
+"""SmolLM2-135M decode throughput: jaxinfer vs transformers (CPU torch), same weights, f32.
+
+Both load the default GGUF (dequantized to f32). Each system decodes `--new-tokens`
+greedy tokens after the same prompts at batch 1 and batch 16; decode throughput is
+(new tokens - 1) * batch / (time(generate N) - time(generate 1)), so prefill and the
+first token are excluded alike. Both use 2 threads. Last line: one JSON object.
+
+    python benchmarks/decode.py [--new-tokens 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "The history of the printing press begins in",
+    "Write a short poem about the sea and the wind.",
+    "Explain how a hash table handles collisions.",
+    "List three facts about the planet Mars:",
+]
+
+
+def prompt_ids(tokenizer, batch: int, length: int) -> list[list[int]]:
+    """`batch` prompts of exactly `length` tokens (no padding needed by either system)."""
+    rows = []
+    for i in range(batch):
+        ids = tokenizer.encode(" ".join(PROMPTS[i % len(PROMPTS):] + PROMPTS) * 4, add_special_tokens=False)
+        rows.append(ids[:length])
+    return rows
+
+
+def best_of(repeats: int, fn) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def bench_jaxinfer(model, ids: list[list[int]], new_tokens: int, repeats: int) -> float:
+    from jaxinfer.generate import Generator
+    from jaxinfer.sampling import SamplingParams
+
+    b = len(ids)
+    gen = Generator(model, max_batch=b, max_seq_len=len(ids[0]) + new_tokens, page_size=16)
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        gen.generate(ids, params)
+        return time.perf_counter() - t0
+
+    run(new_tokens), run(1)  # compile both programs
+    dt = best_of(repeats, lambda: run(new_tokens)) - best_of(repeats, lambda: run(1))
+    return (new_tokens - 1) * b / dt
+
+
+def load_hf(gguf: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
+
+
+def bench_hf(model, ids: list[list[int]], new_tokens: int, repeats: int) -> float:
+    import torch
+
+    inputs = torch.tensor(ids)
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
+
+    run(2)
+    dt = best_of(repeats, lambda: run(new_tokens)) - best_of(repeats, lambda: run(1))
+    return (new_tokens - 1) * len(ids) / dt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from jaxinfer.default_model import default_model_path
+    from jaxinfer.loading import load_model
+
+    gguf = default_model_path()
+    model = load_model(gguf)
+    hf_model = load_hf(gguf)
+    results = {}
+    for b in (1, 16):
+        ids = prompt_ids(model.tokenizer, b, args.prompt_tokens)
+        jx = bench_jaxinfer(model, ids, args.new_tokens, args.repeats)
+        hf = bench_hf(hf_model, ids, args.new_tokens, args.repeats)
+        print(f"batch {b:2d}: jaxinfer {jx:7.1f} tok/s   transformers {hf:7.1f} tok/s   ratio {jx / hf:.2f}")
+        results |= {f"jaxinfer_tok_s_b{b}": round(jx, 1), f"hf_tok_s_b{b}": round(hf, 1), f"ratio_b{b}": round(jx / hf, 2)}
+    print(f"# machine: {platform.machine()} {os.cpu_count()} cpus, prompt {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens, f32, greedy")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""jaxinfer: functional LLM inference in JAX over a fixed-shape paged KV cache."""
+
+from jaxinfer.config import Llama3RopeScaling, ModelConfig
+from jaxinfer.generate import GenerationResult, Generator
+from jaxinfer.kv import KVCacheSpec, PageAllocator, PagedKVState, init_paged_kv
+from jaxinfer.loading import Model, load_model
+from jaxinfer.model import ModelParams, forward
+from jaxinfer.sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GenerationResult",
+    "Generator",
+    "KVCacheSpec",
+    "Llama3RopeScaling",
+    "Model",
+    "ModelConfig",
+    "ModelParams",
+    "PageAllocator",
+    "PagedKVState",
+    "SamplingParams",
+    "forward",
+    "init_paged_kv",
+    "load_model",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from jaxinfer.cli import main
+
+sys.exit(main())
