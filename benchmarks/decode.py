@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,7 +63,7 @@ def load_hf(gguf: Path):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
-    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
 def bench_hf(model, ids: list[list[int]], new_tokens: int, repeats: int) -> float:
@@ -81,28 +83,49 @@ def bench_hf(model, ids: list[list[int]], new_tokens: int, repeats: int) -> floa
     return (new_tokens - 1) * len(ids) / dt
 
 
+def run_system(system: str, batch: int, args: argparse.Namespace) -> float:
+    """Throughput of one system at one batch size, measured in this process."""
+    from jaxinfer.default_model import default_model_path
+    from jaxinfer.tokenizer import Tokenizer
+
+    gguf = default_model_path()
+    ids = prompt_ids(Tokenizer.from_gguf(gguf), batch, args.prompt_tokens)
+    if system == "hf":
+        return bench_hf(load_hf(gguf), ids, args.new_tokens, args.repeats)
+    from jaxinfer.loading import load_model
+
+    return bench_jaxinfer(load_model(gguf), ids, args.new_tokens, args.repeats)
+
+
+def in_subprocess(system: str, batch: int, args: argparse.Namespace) -> float:
+    """Each measurement in a fresh process, so neither runtime's idle threads (XLA's pool,
+    torch's OpenMP) compete with the other's."""
+    cmd = [sys.executable, __file__, "--only", f"{system}:{batch}", "--new-tokens", str(args.new_tokens),
+           "--prompt-tokens", str(args.prompt_tokens), "--repeats", str(args.repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # "system:batch", used by in_subprocess
     args = parser.parse_args()
+    if args.only:
+        system, batch = args.only.split(":")
+        print(run_system(system, int(batch), args))
+        return
 
-    from jaxinfer.default_model import default_model_path
-    from jaxinfer.loading import load_model
-
-    gguf = default_model_path()
-    model = load_model(gguf)
-    hf_model = load_hf(gguf)
     results = {}
     for b in (1, 16):
-        ids = prompt_ids(model.tokenizer, b, args.prompt_tokens)
-        jx = bench_jaxinfer(model, ids, args.new_tokens, args.repeats)
-        hf = bench_hf(hf_model, ids, args.new_tokens, args.repeats)
-        print(f"batch {b:2d}: jaxinfer {jx:7.1f} tok/s   transformers {hf:7.1f} tok/s   ratio {jx / hf:.2f}")
+        jx = in_subprocess("jaxinfer", b, args)
+        hf = in_subprocess("hf", b, args)
+        print(f"batch {b:2d}: jaxinfer {jx:7.1f} tok/s   transformers {hf:7.1f} tok/s   ratio {jx / hf:.2f}", flush=True)
         results |= {f"jaxinfer_tok_s_b{b}": round(jx, 1), f"hf_tok_s_b{b}": round(hf, 1), f"ratio_b{b}": round(jx / hf, 2)}
-    print(f"# machine: {platform.machine()} {os.cpu_count()} cpus, prompt {args.prompt_tokens} tokens, "
-          f"{args.new_tokens} new tokens, f32, greedy")
+    print(f"# {platform.machine()}, {os.cpu_count()} cpus, prompt {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens, f32, greedy, torch threads 2")
     print(json.dumps(results))
 
 

@@ -77,7 +77,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf):
 
     ours = load_model(smollm2_gguf)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                              torch_dtype=torch.float32).eval()
+                                              dtype=torch.float32).eval()
     text = ours.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     ids = ours.tokenizer.encode(text, add_special_tokens=False)
     with torch.no_grad():

@@ -1,0 +1,58 @@
+"""Checkpoint loading and saving.
+
+`load_checkpoint(path)` accepts a GGUF file, a Hugging Face directory (`config.json` +
+safetensors) or a directory written by `save_orbax`; every loader returns
+`(ModelConfig, ModelParams)` with weights in the HF `[out, in]` layout and raises
+`CheckpointError` for anything it cannot load.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jaxinfer.checkpoint.errors import CheckpointError
+from jaxinfer.checkpoint.gguf_loader import load_gguf
+from jaxinfer.checkpoint.hf_loader import SHARD_INDEX, SINGLE_FILE, is_hf_dir, load_hf_dir
+from jaxinfer.checkpoint.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax, save_orbax
+from jaxinfer.config import ModelConfig
+from jaxinfer.model.params import ModelParams
+
+__all__ = [
+    "CheckpointError",
+    "load_checkpoint",
+    "load_gguf",
+    "load_hf_dir",
+    "load_orbax",
+    "save_orbax",
+]
+
+_GGUF_MAGIC = b"GGUF"
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
+    """Load any supported checkpoint, weights in `dtype`. Dispatch, in order:
+
+    a file ending in `.gguf` or starting with the GGUF magic -> `load_gguf`
+    a directory holding `jaxinfer_checkpoint.json`           -> `load_orbax`
+    a directory with config.json + model.safetensors[.index.json] -> `load_hf_dir`
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.suffix == ".gguf" or _starts_with(path, _GGUF_MAGIC):
+            return load_gguf(path, dtype=dtype)
+    elif is_orbax_dir(path):
+        return load_orbax(path, dtype=dtype)
+    elif is_hf_dir(path):
+        return load_hf_dir(path, dtype=dtype)
+    elif not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    raise CheckpointError(
+        f"{path}: unknown checkpoint format; expected a .gguf file, a Hugging Face directory "
+        f"(config.json + {SINGLE_FILE} or {SHARD_INDEX}) or a jaxinfer orbax directory ({MARKER_FILE})"
+    )
+
+
+def _starts_with(file: Path, magic: bytes) -> bool:
+    with open(file, "rb") as f:
+        return f.read(len(magic)) == magic

@@ -1,0 +1,242 @@
+"""Load a GGUF file (llama.cpp's format) into `ModelConfig` + `ModelParams`.
+
+Layout facts (checked on the SmolLM2 Q4_1 file): `GGUFReader` reports `tensor.shape` in
+ggml order, fastest axis first (`[576, 49152]` for the embedding), while `tensor.data` and
+`gguf.quants.dequantize(tensor.data, tensor.tensor_type)` are numpy arrays in row order
+`[rows, cols]` = `[out, in]` (`[49152, 576]`), which is already our HF layout. Quantized
+tensors are dequantized to float32 one at a time, then cast to `dtype`.
+
+llama.cpp's converter stores the q and k projection rows of `llama` models in its own
+order (see `unpermute_rows`); we undo that so every loader yields the same HF layout and the
+forward uses one RoPE convention (rotate-half). `qwen2` files are not permuted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
+from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, ModelConfig
+from jaxinfer.gguf_metadata import gguf_metadata, open_gguf
+from jaxinfer.model.params import ModelParams, build_params
+
+# general.architecture -> whether q/k rows are in llama.cpp's permuted order.
+_QK_PERMUTED = {"llama": True, "qwen2": False}
+
+_GLOBAL_TENSORS = {
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+}
+_LAYER_TENSORS = {  # LayerParams field -> name inside `blk.{i}.`
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+    "bq": "attn_q.bias",
+    "bk": "attn_k.bias",
+    "bv": "attn_v.bias",
+}
+_REQUIRED = object()  # `field` default: a missing key is an error
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
+    """Read config and weights from a GGUF file; weights come back in HF layout, in `dtype`.
+
+    Supports `general.architecture` `llama` (also Mistral files) and `qwen2`. Raises
+    `CheckpointError` naming the file and the field or tensor for anything it cannot load.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {SUPPORTED_DTYPES}")
+    path = Path(path)
+    reader = open_gguf_checked(path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(gguf_metadata(reader), tensors, path).replace(dtype=dtype)
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        gguf_name = _gguf_tensor_name(name)
+        array = _dequantize(tensors, gguf_name, path)
+        if array.shape != shape:
+            raise CheckpointError(f"{path}: tensor {gguf_name!r} has shape {array.shape}, expected {shape}")
+        field = name.rsplit(".", 1)[-1]
+        if _QK_PERMUTED[config.arch] and field in ("wq", "bq", "wk", "bk"):
+            array = unpermute_rows(array, config.n_heads if field in ("wq", "bq") else config.n_kv_heads)
+        return array
+
+    with as_checkpoint_error(path):
+        return config, build_params(config, get)
+
+
+def open_gguf_checked(path: Path) -> gguf.GGUFReader:
+    """`open_gguf(path)` with its failures (missing, truncated, corrupt) as `CheckpointError`."""
+    try:
+        return open_gguf(path)
+    except FileNotFoundError as error:
+        raise CheckpointError(str(error)) from error
+    except ValueError as error:
+        raise CheckpointError(f"{error} (truncated or corrupt?)") from error
+
+
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path) -> ModelConfig:
+    """Build the `ModelConfig` from GGUF metadata (`jaxinfer.gguf_metadata.gguf_metadata`).
+
+    `tensors` (name -> `gguf.ReaderTensor`) decides tying (no `output.weight`), q/k/v biases,
+    Llama 3 RoPE scaling (`rope_freqs.weight`) and, as a last resort, the vocabulary size.
+    """
+    arch = meta.get("general.architecture")
+    if arch not in _QK_PERMUTED:
+        raise CheckpointError(
+            f"{path}: unsupported architecture general.architecture={arch!r}; "
+            f"supported: {sorted(_QK_PERMUTED)}"
+        )
+
+    def field(key: str, default: Any = _REQUIRED) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is _REQUIRED:
+            raise CheckpointError(f"{path}: missing metadata field '{arch}.{key}'")
+        if isinstance(value, list):
+            raise CheckpointError(f"{path}: per-layer metadata field '{arch}.{key}' is not supported")
+        return value
+
+    if field("expert_count", 0):
+        raise CheckpointError(f"{path}: mixture-of-experts ({arch}.expert_count) is not supported")
+    d_model = int(field("embedding_length"))
+    n_heads = int(field("attention.head_count"))
+    head_dim = int(field("attention.key_length", d_model // n_heads))
+    rope_dims = int(field("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise CheckpointError(
+            f"{path}: partial rotary ({arch}.rope.dimension_count={rope_dims} != head_dim={head_dim}) "
+            "is not supported"
+        )
+    rope_theta = _f32(field("rope.freq_base", 10000.0))
+    with as_checkpoint_error(path):
+        return ModelConfig(
+            arch=arch,
+            vocab_size=_vocab_size(meta, tensors, arch, path),
+            d_model=d_model,
+            n_layers=int(field("block_count")),
+            n_heads=n_heads,
+            n_kv_heads=int(field("attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            ffn_dim=int(field("feed_forward_length")),
+            rope_theta=rope_theta,
+            rope_scaling=_rope_scaling(meta, tensors, arch, rope_theta, head_dim, path),
+            rms_eps=_f32(field("attention.layer_norm_rms_epsilon")),
+            max_position=int(field("context_length")),
+            tie_embeddings="output.weight" not in tensors,
+            attn_bias="blk.0.attn_q.bias" in tensors,
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_ids=tuple(dict.fromkeys(meta[k] for k in _EOS_KEYS if meta.get(k) is not None)),
+        )
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `LlamaModel.permute` on q or k rows (weight `[H*D, in]` or bias `[H*D]`).
+
+    HF rotates pairs (j, j + D/2) within each head (rotate-half RoPE); the converter moves
+    each pair next to each other for llama.cpp's interleaved RoPE. For head h, half s, i < D/2:
+
+        HF row    h*D + s*(D/2) + i        e.g. D=4:  HF [a0 a1 | b0 b1]
+        GGUF row  h*D + 2*i + s                       GGUF [a0 b0 a1 b1]
+
+    The converter's permute is `reshape(H, 2, D/2, ...).swapaxes(1, 2)`; the inverse is
+    `reshape(H, D/2, 2, ...).swapaxes(1, 2)`.
+    """
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_divisors(scaling: Llama3RopeScaling, theta: float, head_dim: int) -> np.ndarray:
+    """Per-frequency divisors that Llama 3 RoPE scaling applies (what llama.cpp's converter
+    writes as `rope_freqs.weight`): 1 for short wavelengths, `factor` for long ones, a smooth
+    blend between. Returns f64[head_dim // 2]."""
+    s = scaling
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(s.factor)
+        else:
+            smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            divisors.append(1 / ((1 - smooth) / s.factor + smooth))
+    return np.array(divisors)
+
+
+def _rope_scaling(meta, tensors, arch, theta, head_dim, path) -> Llama3RopeScaling | None:
+    """RoPE scaling of a GGUF file: none, or Llama 3 style stored as `rope_freqs.weight`.
+
+    The file keeps only the divisors, not HF's parameters. We take `factor` = the largest
+    divisor, assume the values every released Llama 3.x uses for the rest (low 1, high 4,
+    original context 8192), and accept them only if they reproduce the stored divisors.
+    """
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise CheckpointError(f"{path}: unsupported RoPE scaling {arch}.rope.scaling.type={scaling_type!r}")
+    if "rope_freqs.weight" not in tensors:
+        return None
+    divisors = _dequantize(tensors, "rope_freqs.weight", path).reshape(-1).astype(np.float64)
+    if np.all(divisors == 1.0):
+        return None
+    candidate = Llama3RopeScaling(factor=float(divisors.max()))
+    expected = llama3_rope_divisors(candidate, theta, head_dim)
+    if divisors.shape != expected.shape or not np.allclose(divisors, expected, rtol=1e-5, atol=0):
+        raise CheckpointError(
+            f"{path}: tensor 'rope_freqs.weight' does not match Llama 3 RoPE scaling with "
+            f"factor={candidate.factor}, low_freq_factor=1, high_freq_factor=4, original context 8192"
+        )
+    return candidate
+
+
+def _vocab_size(meta, tensors, arch, path) -> int:
+    if f"{arch}.vocab_size" in meta:
+        return int(meta[f"{arch}.vocab_size"])
+    if "tokenizer.ggml.tokens" in meta:
+        return len(meta["tokenizer.ggml.tokens"])
+    if "token_embd.weight" in tensors:
+        return int(tensors["token_embd.weight"].shape[-1])  # ggml order: [d_model, vocab]
+    raise CheckpointError(f"{path}: cannot tell the vocabulary size ({arch}.vocab_size, token list missing)")
+
+
+def _gguf_tensor_name(name: str) -> str:
+    """Our parameter name (`embed`, `layers.3.wq`) -> GGUF tensor name (`blk.3.attn_q.weight`)."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    _, layer, field = name.split(".")
+    return f"blk.{layer}.{_LAYER_TENSORS[field]}"
+
+
+def _dequantize(tensors: dict[str, Any], name: str, path: Path) -> np.ndarray:
+    if name not in tensors:
+        raise CheckpointError(f"{path}: missing tensor {name!r}")
+    tensor = tensors[name]
+    try:
+        return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as error:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has unsupported type {tensor.tensor_type.name}"
+        ) from error
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as f32; take the shortest decimal that round-trips (1e-5, not
+    9.999999747378752e-06), which is the value the model was published with."""
+    return float(str(np.float32(value)))

@@ -1,0 +1,223 @@
+"""Load a Hugging Face model directory (`config.json` + safetensors) into `ModelConfig` +
+`ModelParams`.
+
+Weights are read with `safetensors.safe_open(..., framework="flax")` under a CPU default
+device: numpy cannot represent bfloat16 (`framework="numpy"` raises `TypeError: data type
+'bfloat16' not understood`), while the flax reader returns jax arrays of any stored dtype,
+which `build_params` casts to `dtype`. Keeping them on the CPU device means a GPU/TPU only
+ever sees the cast result. Linear weights are already `[out, in]`; nothing is transposed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import safetensors
+
+from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
+from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, ModelConfig
+from jaxinfer.model.params import ModelParams, build_params
+
+# HF `architectures[0]` -> our `ModelConfig.arch`.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+_LAYER_TENSORS = {  # LayerParams field -> name inside `model.layers.{i}.`
+    "attn_norm": "input_layernorm.weight",
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+}
+_GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and (
+        (path / SINGLE_FILE).is_file() or (path / SHARD_INDEX).is_file()
+    )
+
+
+def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
+    """Read `config.json` and `model.safetensors` (or the shards listed in
+    `model.safetensors.index.json`) from an HF model directory; weights come back in `dtype`.
+
+    Supports LlamaForCausalLM, MistralForCausalLM (its `sliding_window` is ignored: every
+    layer attends to the full context) and Qwen2ForCausalLM. Raises `CheckpointError` naming
+    the file and the field or tensor for anything it cannot load.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {SUPPORTED_DTYPES}")
+    path = Path(path)
+    weight_map = _weight_map(path)
+    hf = _read_json(path / "config.json")
+    config = config_from_hf(hf, path / "config.json", has_lm_head="lm_head.weight" in weight_map)
+    config = config.replace(eos_ids=_merge_eos(config.eos_ids, path), dtype=dtype)
+
+    with contextlib.ExitStack() as stack, jax.default_device(jax.devices("cpu")[0]):
+        handles: dict[Path, Any] = {}
+
+        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            tensor_name = _hf_tensor_name(name)
+            if tensor_name not in weight_map:
+                raise CheckpointError(f"{path}: missing tensor {tensor_name!r}")
+            file = path / weight_map[tensor_name]
+            if file not in handles:
+                handles[file] = stack.enter_context(_safe_open(file))
+            try:
+                stored_shape = tuple(handles[file].get_slice(tensor_name).get_shape())
+                if stored_shape != shape:
+                    raise CheckpointError(f"{file}: tensor {tensor_name!r} has shape {stored_shape}, expected {shape}")
+                return handles[file].get_tensor(tensor_name)
+            except safetensors.SafetensorError as error:
+                raise CheckpointError(f"{file}: tensor {tensor_name!r}: {error}") from error
+
+        with as_checkpoint_error(path):
+            return config, build_params(config, get)
+
+
+def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) -> ModelConfig:
+    """Translate an HF `config.json` dict. `has_lm_head` decides tying when the config does
+    not say (`tie_word_embeddings` absent): tied exactly when there is no `lm_head.weight`."""
+    archs = hf.get("architectures") or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{file}: unsupported architecture architectures={archs!r}; supported: {sorted(ARCHITECTURES)}"
+        )
+    arch = ARCHITECTURES[archs[0]]
+
+    def field(key: str) -> Any:
+        if hf.get(key) is None:
+            raise CheckpointError(f"{file}: missing config field {key!r}")
+        return hf[key]
+
+    _reject_unsupported(hf, arch, file)
+    n_heads = int(field("num_attention_heads"))
+    rope = _rope_dict(hf)
+    with as_checkpoint_error(file):
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(field("vocab_size")),
+            d_model=int(field("hidden_size")),
+            n_layers=int(field("num_hidden_layers")),
+            n_heads=n_heads,
+            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(hf.get("head_dim") or field("hidden_size") // n_heads),
+            ffn_dim=int(field("intermediate_size")),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(rope, file),
+            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position=int(field("max_position_embeddings")),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
+            attn_bias=arch == "qwen2",
+            bos_id=hf.get("bos_token_id"),
+            eos_ids=_as_ids(hf.get("eos_token_id")),
+        )
+
+
+def _reject_unsupported(hf: dict[str, Any], arch: str, file: Path) -> None:
+    """Fail on config switches whose weights or math `ModelParams` cannot express."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{file}: unsupported config field hidden_act={hf['hidden_act']!r} (need 'silu')")
+    for key in ("attention_bias", "mlp_bias"):  # Llama's switches; they also add o_proj/down biases
+        if arch != "qwen2" and hf.get(key):
+            raise CheckpointError(f"{file}: unsupported config field {key}=true")
+
+
+def _rope_dict(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers >= 5 writes `rope_parameters` (with `rope_theta` inside); older configs
+    have `rope_scaling` plus a top-level `rope_theta`."""
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def _rope_scaling(rope: dict[str, Any], file: Path) -> Llama3RopeScaling | None:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise CheckpointError(f"{file}: unsupported RoPE scaling rope_type={rope_type!r}")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    for key in keys:
+        if key not in rope:
+            raise CheckpointError(f"{file}: llama3 RoPE scaling is missing config field {key!r}")
+    return Llama3RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position=int(rope["original_max_position_embeddings"]),
+    )
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _merge_eos(eos_ids: tuple[int, ...], path: Path) -> tuple[int, ...]:
+    """Append `generation_config.json`'s eos ids (instruct models often list their
+    end-of-turn token only there)."""
+    gen_file = path / "generation_config.json"
+    extra = _as_ids(_read_json(gen_file).get("eos_token_id")) if gen_file.is_file() else ()
+    return tuple(dict.fromkeys(eos_ids + extra))
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name (relative to `path`)."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such model directory")
+    if (path / SHARD_INDEX).is_file():
+        index = _read_json(path / SHARD_INDEX)
+        if not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{path / SHARD_INDEX}: missing field 'weight_map'")
+        return index["weight_map"]
+    if (path / SINGLE_FILE).is_file():
+        with _safe_open(path / SINGLE_FILE) as handle:
+            return {name: SINGLE_FILE for name in handle.keys()}
+    raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {SHARD_INDEX} found")
+
+
+@contextlib.contextmanager
+def _safe_open(file: Path):
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such safetensors file")
+    try:
+        handle = safetensors.safe_open(file, framework="flax")
+    except safetensors.SafetensorError as error:
+        raise CheckpointError(f"{file}: cannot read safetensors file (truncated or corrupt?): {error}") from error
+    with handle:
+        yield handle
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: cannot read JSON: {error}") from error
+
+
+def _hf_tensor_name(name: str) -> str:
+    """Our parameter name (`embed`, `layers.3.wq`) -> HF name (`model.layers.3.self_attn.q_proj.weight`)."""
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    _, layer, field = name.split(".")
+    return f"model.layers.{layer}.{_LAYER_TENSORS[field]}"

@@ -1,0 +1,46 @@
+"""The command line, run as a user would: in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def jaxinfer(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "jaxinfer", *args], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}")
+    return proc
+
+
+def test_help_lists_the_commands():
+    out = jaxinfer("--help").stdout
+    assert "generate" in out and "convert" in out and "SmolLM2" in out
+    gen_help = jaxinfer("generate", "--help").stdout
+    for flag in ("--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--stop", "--raw"):
+        assert flag in gen_help
+
+
+@pytest.mark.slow
+def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
+    """Greedy text from the GGUF equals greedy text from its orbax conversion."""
+    args = ["--max-tokens", "12", "What is 2 + 2?"]
+    from_gguf = jaxinfer("generate", "--model", str(smollm2_gguf), *args)
+    assert from_gguf.stdout.strip()
+    assert "decode:" in from_gguf.stderr and "tok/s" in from_gguf.stderr
+
+    dst = tmp_path / "orbax"
+    jaxinfer("convert", str(smollm2_gguf), str(dst))
+    from_orbax = jaxinfer("generate", "--model", str(dst), *args)
+    assert from_orbax.stdout == from_gguf.stdout
+
+
+def test_bad_input_exits_with_a_clear_message(tmp_path):
+    missing = jaxinfer("generate", "--model", str(tmp_path / "nope.gguf"), "hi", check=False)
+    assert missing.returncode == 2 and "nope.gguf" in missing.stderr and "Traceback" not in missing.stderr
+    bad_temp = jaxinfer("generate", "--temperature", "-1", "hi", check=False)
+    assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
