@@ -1,0 +1,18 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (downloaded once into the jaxinfer cache).
+
+    Tests using it should be marked `@pytest.mark.slow`.
+    """
+    from jaxinfer.default_model import default_model_path
+
+    return default_model_path(progress=False)

