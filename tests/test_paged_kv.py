@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.kv import NULL_PAGE, KVCacheSpec, OutOfPagesError, PageAllocator
+from jaxinfer.kv import NULL_PAGE, KVCacheSpec, LayerKV, OutOfPagesError, PageAllocator
 from jaxinfer.model import forward
 from jaxinfer.model.attention import paged_attention_reference
 from tiny_models import kv_with_pages, random_tokens, tiny_model
@@ -45,7 +45,9 @@ def test_other_slots_pages_cannot_leak_into_a_sequence():
     pages = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     quiet, _ = full_forward(config, params, np.concatenate([a, a]), pages)
     noisy_kv = kv_with_pages(config, SPEC, pages)
-    noisy_kv = noisy_kv.replace(k_pages=noisy_kv.k_pages.at[:, 6:11].set(1e4), v_pages=noisy_kv.v_pages.at[:, 6:11].set(-1e4))
+    noisy_kv = noisy_kv.replace(layers=tuple(
+        LayerKV(k=layer.k.at[6:11].set(1e4), v=layer.v.at[6:11].set(-1e4)) for layer in noisy_kv.layers
+    ))
     pos = jnp.broadcast_to(jnp.arange(T), (2, T))
     noisy, _ = forward(params, config, jnp.asarray(np.concatenate([a, a])), pos, noisy_kv,
                        num_new=jnp.array([T, 0], jnp.int32))
@@ -104,7 +106,7 @@ def test_reference_attention_hand_computed():
     k_pages = jnp.array([[[[np.nan]], [[np.nan]]], [[[0.0]], [[np.log(3.0)]]], [[[5.0]], [[np.nan]]]])
     v_pages = jnp.array([[[[np.nan]], [[np.nan]]], [[[4.0]], [[8.0]]], [[[100.0]], [[np.nan]]]])
     q = jnp.ones((1, 1, 1, 1))
-    out = paged_attention_reference(q, k_pages, v_pages, jnp.array([[1, 2]]), jnp.array([2]), jnp.array([[1]]), scale=1.0)
+    out = paged_attention_reference(q, LayerKV(k=k_pages, v=v_pages), jnp.array([[1, 2]]), jnp.array([2]), jnp.array([[1]]), scale=1.0)
     np.testing.assert_allclose(np.asarray(out).ravel(), [7.0], rtol=1e-6)
 
 
@@ -115,8 +117,9 @@ def test_writes_to_unallocated_blocks_are_dropped():
     kv = kv_with_pages(config, SPEC, [[1], [2]])  # room for 4 tokens, 8 arrive
     pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
     _, kv = forward(params, config, jnp.asarray(tokens), pos, kv)
-    assert not np.asarray(kv.k_pages[:, NULL_PAGE]).any()
-    assert not np.asarray(kv.k_pages[:, 3:]).any()
+    for layer in kv.layers:
+        assert not np.asarray(layer.k[NULL_PAGE]).any() and not np.asarray(layer.v[NULL_PAGE]).any()
+        assert not np.asarray(layer.k[3:]).any()
 
 
 # ---- PageAllocator properties -------------------------------------------------------------

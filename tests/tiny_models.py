@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,8 +28,7 @@ def kv_with_pages(config: ModelConfig, spec: KVCacheSpec, pages_per_slot: list[l
     """A cache whose block tables hold the given pages; every page pre-filled with `fill`."""
     kv = init_paged_kv(config, spec)
     return kv.replace(
-        k_pages=jnp.full_like(kv.k_pages, fill),
-        v_pages=jnp.full_like(kv.v_pages, fill),
+        layers=jax.tree.map(lambda a: jnp.full_like(a, fill), kv.layers),
         block_tables=jnp.asarray(block_table_array(pages_per_slot, spec.max_pages_per_seq)),
     )
 

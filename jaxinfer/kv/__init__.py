@@ -4,6 +4,7 @@ from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator
 from jaxinfer.kv.paged_state import (
     NULL_PAGE,
     KVCacheSpec,
+    LayerKV,
     PagedKVState,
     block_table_array,
     init_paged_kv,
@@ -12,6 +13,7 @@ from jaxinfer.kv.paged_state import (
 __all__ = [
     "NULL_PAGE",
     "KVCacheSpec",
+    "LayerKV",
     "OutOfPagesError",
     "PageAllocator",
     "PagedKVState",

@@ -59,19 +59,35 @@ class KVCacheSpec:
 
 
 @struct.dataclass
+class LayerKV:
+    """One layer's full-precision K/V pages. Other cache formats (quantized, latent) are
+    pytrees with the same two methods, so the forward does not care which it holds."""
+
+    k: jax.Array  # [num_pages, page_size, n_kv_heads, head_dim]
+    v: jax.Array  # [num_pages, page_size, n_kv_heads, head_dim]
+
+    def write(self, k: jax.Array, v: jax.Array, idx: WriteIndices) -> LayerKV:
+        """Scatter this step's k, v: [B, T, Hkv, Dh] to the slots named by `idx`."""
+        return LayerKV(k=scatter_tokens(self.k, k, idx), v=scatter_tokens(self.v, v, idx))
+
+    def gather(self, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each sequence's pages in logical order: two [B, max_pages * page_size, Hkv, Dh]."""
+        return gather_pages(self.k, block_tables), gather_pages(self.v, block_tables)
+
+
+@struct.dataclass
 class PagedKVState:
-    k_pages: jax.Array  # [n_layers, num_pages, page_size, n_kv_heads, head_dim]
-    v_pages: jax.Array  # [n_layers, num_pages, page_size, n_kv_heads, head_dim]
+    layers: tuple[LayerKV, ...]  # one per model layer
     block_tables: jax.Array  # i32[max_slots, max_pages_per_seq]
     lengths: jax.Array  # i32[max_slots]: tokens already cached per slot
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[1]
+        return self.layers[0].k.shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[2]
+        return self.layers[0].k.shape[1]
 
     @property
     def max_slots(self) -> int:
@@ -85,10 +101,9 @@ class PagedKVState:
 def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None) -> PagedKVState:
     """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0."""
     dtype = jnp.dtype(dtype or config.dtype)
-    shape = (config.n_layers, spec.num_pages, spec.page_size, config.n_kv_heads, config.head_dim)
+    shape = (spec.num_pages, spec.page_size, config.n_kv_heads, config.head_dim)
     return PagedKVState(
-        k_pages=jnp.zeros(shape, dtype),
-        v_pages=jnp.zeros(shape, dtype),
+        layers=tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(config.n_layers)),
         block_tables=jnp.full((spec.max_slots, spec.max_pages_per_seq), NULL_PAGE, jnp.int32),
         lengths=jnp.zeros((spec.max_slots,), jnp.int32),
     )
@@ -137,6 +152,13 @@ def write_indices(state: PagedKVState, num_new: jax.Array, seq_len: int) -> Writ
     )
 
 
-def write_layer(pages: jax.Array, layer: int, new: jax.Array, idx: WriteIndices) -> jax.Array:
-    """Scatter new: [B, T, Hkv, Dh] into pages: [L, P, page, Hkv, Dh] at `layer`."""
-    return pages.at[layer, idx.page_ids, idx.offsets].set(new.astype(pages.dtype), mode="drop")
+def scatter_tokens(pages: jax.Array, new: jax.Array, idx: WriteIndices) -> jax.Array:
+    """Scatter new: [B, T, ...] into pages: [P, page_size, ...] (padding is dropped)."""
+    return pages.at[idx.page_ids, idx.offsets].set(new.astype(pages.dtype), mode="drop")
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """pages: [P, page_size, ...], block_tables: i32[B, n] -> [B, n * page_size, ...]."""
+    gathered = pages[block_tables]  # [B, n, page_size, ...]
+    b, n, s = gathered.shape[:3]
+    return gathered.reshape(b, n * s, *gathered.shape[3:])

@@ -10,22 +10,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.kv.paged_state import LayerKV
+
 # Finite, so a row with no visible key gives a uniform softmax over zeroed values
 # (output 0) instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """pages: [P, page, H, D], block_tables: i32[B, max_pages] -> [B, max_pages * page, H, D]."""
-    gathered = pages[block_tables]  # [B, max_pages, page, H, D]
-    b, n, s, h, d = gathered.shape
-    return gathered.reshape(b, n * s, h, d)
-
-
 def paged_attention_reference(
     q: jax.Array,  # [B, T, Hq, Dh]: queries, already rotated
-    k_pages: jax.Array,  # [P, page, Hkv, Dh]: one layer's key pages (new keys already written)
-    v_pages: jax.Array,  # [P, page, Hkv, Dh]
+    layer_kv: LayerKV,  # one layer's pages, this step's keys and values already written
     block_tables: jax.Array,  # i32[B, max_pages]
     kv_lengths: jax.Array,  # i32[B]: cached tokens per sequence, this step's included
     query_index: jax.Array,  # i32[B, T]: cache position of each query (causal limit)
@@ -38,9 +32,8 @@ def paged_attention_reference(
     whatever an unowned page holds (stale data, another request's KV, NaN) cannot leak.
     """
     b, t, hq, dh = q.shape
-    hkv = k_pages.shape[2]
-    k = gather_pages(k_pages, block_tables)  # [B, S, Hkv, Dh]
-    v = gather_pages(v_pages, block_tables)
+    k, v = layer_kv.gather(block_tables)  # [B, S, Hkv, Dh] each
+    hkv = k.shape[2]
     key_index = jnp.arange(k.shape[1], dtype=jnp.int32)
     in_sequence = key_index[None, :] < kv_lengths[:, None]  # [B, S]
     v = jnp.where(in_sequence[:, :, None, None], v, 0)

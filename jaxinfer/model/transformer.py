@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv.paged_state import PagedKVState, WriteIndices, write_indices, write_layer
+from jaxinfer.kv.paged_state import PagedKVState, WriteIndices, write_indices
 from jaxinfer.model.attention import paged_attention_reference
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
 from jaxinfer.model.params import LayerParams, ModelParams
@@ -33,15 +33,12 @@ def attention_block(
     v = linear(x, layer.wv, layer.bv).reshape(b, t, config.n_kv_heads, config.head_dim)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    kv = dataclasses.replace(
-        kv,
-        k_pages=write_layer(kv.k_pages, layer_index, k, idx),
-        v_pages=write_layer(kv.v_pages, layer_index, v, idx),
-    )
+    layer_kv = kv.layers[layer_index].write(k, v, idx)
+    layers = kv.layers[:layer_index] + (layer_kv,) + kv.layers[layer_index + 1 :]
+    kv = dataclasses.replace(kv, layers=layers)
     out = paged_attention_reference(
         q,
-        kv.k_pages[layer_index],
-        kv.v_pages[layer_index],
+        layer_kv,
         kv.block_tables,
         idx.new_lengths,
         idx.cache_index,
