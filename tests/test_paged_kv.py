@@ -164,3 +164,29 @@ def test_allocator_rejects_bad_frees():
         PageAllocator(1)
     with pytest.raises(ValueError):
         KVCacheSpec(num_pages=8, page_size=0, max_slots=1, max_pages_per_seq=2)
+
+
+def test_two_token_groups_in_one_pass_equal_separate_passes():
+    """A decode group [3 slots, 1] and a prefill group [1 slot, chunk] share one forward."""
+    from jaxinfer.model import TokenGroup, forward_groups
+
+    config, params = tiny_model()
+    spec = KVCacheSpec(num_pages=40, page_size=4, max_slots=4, max_pages_per_seq=8)
+    pages = [[1, 2, 3, 4], [9, 5, 7, 6], [11, 12, 13, 14], [20, 21, 22, 23]]
+    prompt = random_tokens((4, 9), config.vocab_size, seed=4)
+    kv = kv_with_pages(config, spec, pages, fill=np.nan)
+    # Slots 0-2 hold a 9-token prompt; slot 3 is empty and will prefill 6 tokens.
+    _, kv = forward(params, config, jnp.asarray(prompt[:3]), jnp.broadcast_to(jnp.arange(9), (3, 9)), kv)
+    kv = kv.replace(lengths=jnp.asarray([9, 9, 9, 0], jnp.int32))
+    decode = TokenGroup(tokens=jnp.asarray(prompt[:, :1]), positions=jnp.full((4, 1), 9, jnp.int32),
+                        slots=jnp.arange(4, dtype=jnp.int32), num_new=jnp.asarray([1, 1, 1, 0], jnp.int32))
+    chunk = random_tokens((1, 8), config.vocab_size, seed=5)
+    prefill = TokenGroup(tokens=jnp.asarray(chunk), positions=jnp.arange(8, dtype=jnp.int32)[None],
+                         slots=jnp.asarray([3], jnp.int32), num_new=jnp.asarray([6], jnp.int32))
+
+    (dec_both, pre_both), kv_both = forward_groups(params, config, kv, (decode, prefill))
+    (dec_alone,), _ = forward_groups(params, config, kv, (decode,))
+    (pre_alone,), _ = forward_groups(params, config, kv, (prefill,))
+    np.testing.assert_allclose(np.asarray(dec_both)[:3], np.asarray(dec_alone)[:3], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(pre_both)[0, :6], np.asarray(pre_alone)[0, :6], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(kv_both.lengths), [10, 10, 10, 6])

@@ -121,34 +121,38 @@ def block_table_array(pages_per_slot: list[list[int]], max_pages_per_seq: int) -
 
 @struct.dataclass
 class WriteIndices:
-    """Where this step's new tokens land; computed once per forward, shared by all layers."""
+    """Where one token group's new tokens land; computed once per forward, shared by all layers."""
 
+    slots: jax.Array  # i32[B]: the cache slot of each row
+    block_tables: jax.Array  # i32[B, max_pages_per_seq]: the rows' block tables
     page_ids: jax.Array  # i32[B, T]; == num_pages (out of bounds, dropped) for padding
-    offsets: jax.Array  # i32[B, T]: slot within the page
+    offsets: jax.Array  # i32[B, T]: position within the page
     cache_index: jax.Array  # i32[B, T]: logical position of each new token in its sequence
-    new_lengths: jax.Array  # i32[B]
+    new_lengths: jax.Array  # i32[B]: the rows' cache lengths after this step
 
 
-def write_indices(state: PagedKVState, num_new: jax.Array, seq_len: int) -> WriteIndices:
-    """Place `num_new[b]` tokens (of a padded row of `seq_len`) after each slot's cache.
+def write_indices(state: PagedKVState, slots: jax.Array, num_new: jax.Array, seq_len: int) -> WriteIndices:
+    """Place `num_new[b]` tokens (of a padded row of `seq_len`) after slot `slots[b]`'s cache.
 
     Padding tokens (t >= num_new[b]), tokens beyond the block table and tokens whose
     block is NULL_PAGE get the page id `num_pages`, which `scatter(mode="drop")`
     discards: they can never overwrite a page, the reserved one included.
     """
     t = jnp.arange(seq_len, dtype=jnp.int32)
-    cache_index = state.lengths[:, None] + t[None, :]  # [B, T]
+    lengths = state.lengths[slots]
+    block_tables = state.block_tables[slots]
+    cache_index = lengths[:, None] + t[None, :]  # [B, T]
     logical_page = cache_index // state.page_size
     in_table = logical_page < state.max_pages_per_seq
-    page_ids = jnp.take_along_axis(
-        state.block_tables, jnp.minimum(logical_page, state.max_pages_per_seq - 1), axis=1
-    )
+    page_ids = jnp.take_along_axis(block_tables, jnp.minimum(logical_page, state.max_pages_per_seq - 1), axis=1)
     valid = (t[None, :] < num_new[:, None]) & in_table & (page_ids != NULL_PAGE)
     return WriteIndices(
+        slots=slots,
+        block_tables=block_tables,
         page_ids=jnp.where(valid, page_ids, state.num_pages),
         offsets=cache_index % state.page_size,
         cache_index=cache_index,
-        new_lengths=state.lengths + num_new,
+        new_lengths=lengths + num_new,
     )
 
 

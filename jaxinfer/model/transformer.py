@@ -1,4 +1,10 @@
-"""The Llama-family forward pass over a paged KV cache, as one pure function."""
+"""The Llama-family forward pass over a paged KV cache, as one pure function.
+
+A call evaluates one or more *token groups*. Each group is a padded [B, T] block of rows,
+each row appending to one cache slot: e.g. a decode group [max_slots, 1] plus a prefill
+group [P, prefill_chunk]. Dense layers run over all groups' tokens at once (one matmul per
+weight); attention runs per group, through that group's rows of the block table.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState, WriteIndices, write_indices
@@ -16,35 +23,57 @@ from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, s
 from jaxinfer.model.params import LayerParams, ModelParams
 
 
+@struct.dataclass
+class TokenGroup:
+    """Rows of new tokens, each appended to one cache slot."""
+
+    tokens: jax.Array  # i32[B, T]
+    positions: jax.Array  # i32[B, T]: RoPE positions of the tokens
+    slots: jax.Array  # i32[B]: cache slot of each row (distinct across all groups of a call)
+    num_new: jax.Array  # i32[B]: valid tokens per row; the rest is padding, 0 = idle row
+    logits_index: jax.Array | None = None  # i32[B]: if given, logits only at this position
+
+
+def _split(x: jax.Array, groups: tuple[TokenGroup, ...]) -> list[jax.Array]:
+    """Flat [N, ...] -> per-group [B_g, T_g, ...] (inverse of concatenating reshaped groups)."""
+    out, start = [], 0
+    for g in groups:
+        b, t = g.tokens.shape
+        out.append(x[start : start + b * t].reshape(b, t, *x.shape[1:]))
+        start += b * t
+    return out
+
+
+def _flat(parts: list[jax.Array]) -> jax.Array:
+    return jnp.concatenate([p.reshape(-1, *p.shape[2:]) for p in parts])
+
+
 def attention_block(
     config: ModelConfig,
     layer: LayerParams,
     layer_index: int,
-    x: jax.Array,  # [B, T, D], already normed
-    positions: jax.Array,  # i32[B, T]: RoPE positions
+    x: jax.Array,  # [N, D]: every group's tokens, flattened, already normed
+    groups: tuple[TokenGroup, ...],
+    idxs: list[WriteIndices],
     inv_freq: jax.Array,  # f32[Dh/2]
     kv: PagedKVState,
-    idx: WriteIndices,
 ) -> tuple[jax.Array, PagedKVState]:
-    """Project, rotate, write this step's K/V into the pages, attend through them."""
-    b, t, _ = x.shape
-    q = linear(x, layer.wq, layer.bq).reshape(b, t, config.n_heads, config.head_dim)
-    k = linear(x, layer.wk, layer.bk).reshape(b, t, config.n_kv_heads, config.head_dim)
-    v = linear(x, layer.wv, layer.bv).reshape(b, t, config.n_kv_heads, config.head_dim)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    layer_kv = kv.layers[layer_index].write(k, v, idx)
+    """Project, rotate, write every group's K/V into the pages, attend per group."""
+    c = config
+    qs = _split(linear(x, layer.wq, layer.bq).reshape(-1, c.n_heads, c.head_dim), groups)
+    ks = _split(linear(x, layer.wk, layer.bk).reshape(-1, c.n_kv_heads, c.head_dim), groups)
+    vs = _split(linear(x, layer.wv, layer.bv).reshape(-1, c.n_kv_heads, c.head_dim), groups)
+    qs = [apply_rope(q, g.positions, inv_freq) for q, g in zip(qs, groups)]
+    layer_kv = kv.layers[layer_index]
+    for g, k, v, idx in zip(groups, ks, vs, idxs):  # all writes first: groups are distinct slots
+        layer_kv = layer_kv.write(apply_rope(k, g.positions, inv_freq), v, idx)
+    outs = [
+        paged_attention_reference(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
+                                  scale=1.0 / math.sqrt(c.head_dim))
+        for q, idx in zip(qs, idxs)
+    ]
     layers = kv.layers[:layer_index] + (layer_kv,) + kv.layers[layer_index + 1 :]
-    kv = dataclasses.replace(kv, layers=layers)
-    out = paged_attention_reference(
-        q,
-        layer_kv,
-        kv.block_tables,
-        idx.new_lengths,
-        idx.cache_index,
-        scale=1.0 / math.sqrt(config.head_dim),
-    )
-    return linear(out.reshape(b, t, -1), layer.wo), kv
+    return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), dataclasses.replace(kv, layers=layers)
 
 
 def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
@@ -53,40 +82,56 @@ def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
     return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
 
 
+def forward_groups(
+    params: ModelParams, config: ModelConfig, kv: PagedKVState, groups: tuple[TokenGroup, ...]
+) -> tuple[tuple[jax.Array, ...], PagedKVState]:
+    """Evaluate several token groups in one pass -> (logits per group, updated cache).
+
+    Row b of a group appends its first `num_new[b]` tokens to slot `slots[b]` (at cache
+    positions `kv.lengths[slot] ...`) and attends causally over everything that slot has
+    cached. Logits per group are f32[B, T, V], or f32[B, V] when `logits_index` is given.
+    A row with `num_new[b] == 0` writes nothing and leaves its slot untouched.
+    """
+    idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    x = _flat([params.embed[g.tokens] for g in groups]).astype(config.jnp_dtype)  # [N, D]
+    for i, layer in enumerate(params.layers):  # unrolled: faster than scan on XLA:CPU
+        h, kv = attention_block(config, layer, i, rms_norm(x, layer.attn_norm, config.rms_eps), groups, idxs, inv_freq, kv)
+        x = x + h
+        x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
+    x = rms_norm(x, params.final_norm, config.rms_eps)
+
+    logits = []
+    for g, xg in zip(groups, _split(x, groups)):
+        if g.logits_index is not None:
+            xg = jnp.take_along_axis(xg, g.logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
+        logits.append(lm_head(params, xg))
+    lengths = kv.lengths
+    for g in groups:
+        lengths = lengths.at[g.slots].add(g.num_new)
+    return tuple(logits), dataclasses.replace(kv, lengths=lengths)
+
+
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
 def forward(
     params: ModelParams,
     config: ModelConfig,
-    tokens: jax.Array,  # i32[B, T]; B == kv.max_slots, row b is slot b
+    tokens: jax.Array,  # i32[B, T]; row b appends to slot b
     positions: jax.Array,  # i32[B, T]: RoPE positions of the tokens
     kv: PagedKVState,
     num_new: jax.Array | None = None,  # i32[B]: valid tokens per row (rest is padding)
     logits_index: jax.Array | None = None,  # i32[B]: compute logits only at this position
 ) -> tuple[jax.Array, PagedKVState]:
-    """One model evaluation over a padded batch; donates `kv`.
+    """One group whose row b is slot b: `forward_groups` for the common case; donates `kv`.
 
-    Row b appends its first `num_new[b]` tokens to slot b's cache (at cache positions
-    `kv.lengths[b] ...`), attends causally over everything the slot has cached, and
-    returns logits f32[B, T, V] (or f32[B, V] when `logits_index` is given) together
-    with the cache holding the new K/V and the advanced lengths. A row with
-    `num_new[b] == 0` writes nothing and leaves its slot untouched.
+    Returns logits f32[B, T, V] (f32[B, V] with `logits_index`) and the cache holding the
+    new K/V with advanced lengths.
     """
     b, t = tokens.shape
-    if b != kv.max_slots:
-        raise ValueError(f"batch size {b} must equal the cache's max_slots={kv.max_slots}")
+    if b > kv.max_slots:
+        raise ValueError(f"batch size {b} exceeds the cache's max_slots={kv.max_slots}")
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
-    idx = write_indices(kv, num_new, t)
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-
-    x = params.embed[tokens].astype(config.jnp_dtype)  # [B, T, D]
-    for i, layer in enumerate(params.layers):  # unrolled: faster than scan on XLA:CPU
-        h, kv = attention_block(
-            config, layer, i, rms_norm(x, layer.attn_norm, config.rms_eps), positions, inv_freq, kv, idx
-        )
-        x = x + h
-        x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
-    x = rms_norm(x, params.final_norm, config.rms_eps)
-    if logits_index is not None:
-        x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
-    return lm_head(params, x), dataclasses.replace(kv, lengths=idx.new_lengths)
+    group = TokenGroup(tokens, positions, jnp.arange(b, dtype=jnp.int32), num_new, logits_index)
+    (logits,), kv = forward_groups(params, config, kv, (group,))
+    return logits, kv
