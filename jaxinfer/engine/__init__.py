@@ -1,0 +1,6 @@
+"""The serving engine: slot-based continuous batching over one jitted step."""
+
+from jaxinfer.engine.engine import Engine, EngineConfig, EngineMetrics
+from jaxinfer.engine.request import RequestMetrics, RequestOutput
+
+__all__ = ["Engine", "EngineConfig", "EngineMetrics", "RequestMetrics", "RequestOutput"]

@@ -1,0 +1,278 @@
+"""`Engine`: continuous batching over a fixed-shape paged cache, driven from the host.
+
+    engine = Engine(model, EngineConfig(max_slots=8))
+    engine.add_request("Hello", SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            print(out.request_id, out.delta_text)
+
+Each `step()` asks the `Scheduler` what to run, packs it into a fixed-shape `StepBatch`
+(numpy on the host), runs the jitted `engine_step`, and hands the sampled tokens back to
+the requests. Bad input raises at `add_request` and never disturbs running requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine.request import Request, RequestOutput, RequestStatus
+from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
+from jaxinfer.engine.step import PrefillBatch, StepBatch, engine_step
+from jaxinfer.kv import KVCacheSpec, init_paged_kv
+from jaxinfer.kv.paged_state import NULL_PAGE
+from jaxinfer.kv.prefix_cache import cache_identity
+from jaxinfer.loading import Model
+from jaxinfer.sampling import SamplingArrays, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes fixed for the engine's lifetime (they set every compiled shape)."""
+
+    max_slots: int = 8  # sequences resident at once
+    page_size: int = 16
+    max_model_len: int | None = None  # default: min(model context, 2048)
+    num_pages: int | None = None  # default: enough for every slot at max_model_len
+    prefill_chunk: int = 64  # tokens per prefill row per step
+    max_prefill_rows: int = 1  # prefill rows per step
+    max_tokens_per_step: int | None = None  # token budget; default: everything that fits
+    enable_prefix_caching: bool = True
+    scheduling: str = "continuous"  # or "static": admit a new batch only when all are done
+    seed: int = 0  # draws seeds for requests that bring none
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
+        for name in ("max_model_len", "num_pages", "max_tokens_per_step"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"EngineConfig.scheduling={self.scheduling!r} must be 'continuous' or 'static'")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics:
+    running: int
+    waiting: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    prefix_hit_rate: float  # cached full prompt pages / full prompt pages looked up
+    prefix_hits: int
+    prefix_queries: int
+    preemptions: int
+    steps: int
+    compiled_programs: int
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.config = config
+        mc = model.config
+        max_len = config.max_model_len or min(mc.max_position, 2048)
+        if max_len > mc.max_position:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's context {mc.max_position}")
+        pages_per_seq = -(-max_len // config.page_size)
+        num_pages = config.num_pages or config.max_slots * pages_per_seq + 1
+        self.max_model_len = max_len
+        self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
+                                max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
+        self.kv = init_paged_kv(mc, self.spec)
+        budget = config.max_tokens_per_step or config.max_slots + config.max_prefill_rows * config.prefill_chunk
+        self.scheduler = Scheduler(
+            max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
+            prefill_chunk=config.prefill_chunk, max_prefill_rows=config.max_prefill_rows,
+            max_tokens_per_step=budget, enable_prefix_caching=config.enable_prefix_caching,
+            cache_root=cache_identity(mc, str(self.kv.layers[0].k.dtype), config.page_size),
+            static_batching=config.scheduling == "static",
+        )
+        self.requests: dict[str, Request] = {}
+        self._seeds = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self._steps = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None, cache_salt: str | None = None, chat: bool = False) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError naming the problem."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        ids = self._encode(prompt, chat)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if -(-total // self.spec.page_size) > self.spec.num_pages - 1:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs more pages "
+                             f"than the pool holds ({self.spec.num_pages - 1} of {self.spec.page_size} tokens)")
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        req = Request(request_id, ids, params, seed, self.model.config.eos_ids, self.model.tokenizer, cache_salt)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its pages return to the pool. Unknown ids raise KeyError."""
+        req = self.requests.pop(request_id)
+        if not req.finished:
+            req.finish_reason = "abort"
+            self.scheduler.remove(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def _encode(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+        tok = self.model.tokenizer
+        if isinstance(prompt, str):
+            if tok is None:
+                raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            if chat:
+                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
+            else:
+                ids = tok.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(i) for i in prompt]
+        else:
+            raise ValueError(f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    # ---- iteration --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the jitted step, return progress per request."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        self.kv, out = engine_step(self.model.params, self.model.config, self.kv, self._batch(plan))
+        decode_next = np.asarray(out.decode_tokens)
+        prefill_next = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
+        self.scheduler.commit(plan)
+        self._steps += 1
+        now = time.perf_counter()
+        sampled = [(r, int(decode_next[r.slot])) for r in plan.decode]
+        sampled += [(r, int(prefill_next[i])) for i, (r, _) in enumerate(plan.prefill) if r.pending == 0]
+        outputs = []
+        for req, token in sampled:
+            req.append_token(token, now)
+            if req.finish_reason is not None:
+                req.metrics.finished_time = now
+                self.scheduler.remove(req)
+                del self.requests[req.request_id]
+            outputs.append(req.take_output())
+        return outputs
+
+    def _batch(self, plan: SchedulePlan) -> StepBatch:
+        b, s = self.spec.max_slots, self.spec
+        block_tables = np.full((b, s.max_pages_per_seq), NULL_PAGE, np.int32)
+        lengths = np.zeros(b, np.int32)
+        params: list[SamplingParams] = [SamplingParams(temperature=0)] * b
+        seeds = [0] * b
+        for req in self.scheduler.running:
+            block_tables[req.slot, : len(req.pages)] = req.pages
+            lengths[req.slot] = req.num_computed
+            params[req.slot], seeds[req.slot] = req.params, req.seed
+        decode_tokens = np.zeros(b, np.int32)
+        active = np.zeros(b, bool)
+        for req in plan.decode:
+            decode_tokens[req.slot] = req.all_tokens[req.num_computed]
+            active[req.slot] = True
+        prefill = None
+        if plan.prefill:
+            rows, chunk = self.config.max_prefill_rows, self.config.prefill_chunk
+            tokens = np.zeros((rows, chunk), np.int32)
+            slots = np.zeros(rows, np.int32)
+            num_new = np.zeros(rows, np.int32)
+            for i, (req, n) in enumerate(plan.prefill):
+                tokens[i, :n] = req.all_tokens[req.num_computed : req.num_computed + n]
+                slots[i], num_new[i] = req.slot, n
+            prefill = PrefillBatch(tokens=jnp.asarray(tokens), slots=jnp.asarray(slots), num_new=jnp.asarray(num_new))
+        return StepBatch(
+            block_tables=jnp.asarray(block_tables), lengths=jnp.asarray(lengths),
+            decode_tokens=jnp.asarray(decode_tokens), decode_active=jnp.asarray(active),
+            sampling=SamplingArrays.from_params(params, seeds), prefill=prefill,
+        )
+
+    # ---- conveniences -----------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 chat: bool = False, progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion (alongside anything already queued); outputs in input order."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+        per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per) != len(prompts):
+            raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, per):
+                ids.append(self.add_request(prompt, p, chat=chat))
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids), progress)
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    final[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
+               chat: bool = False, cache_salt: str | None = None) -> Iterator[str]:
+        """Yield one request's text as it is produced (other requests advance too)."""
+        rid = self.add_request(prompt, params, chat=chat, cache_salt=cache_salt)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        if out.delta_text:
+                            yield out.delta_text
+                        if out.finished:
+                            return
+        finally:
+            if rid in self.requests:
+                self.abort(rid)
+
+    def metrics(self) -> EngineMetrics:
+        s, a = self.scheduler, self.scheduler.allocator
+        return EngineMetrics(
+            running=len(s.running), waiting=len(s.waiting), pages_used=a.num_allocated,
+            pages_free=a.num_free, pages_cached=a.num_cached,
+            prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
+            prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
+            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=engine_step._cache_size(),
+        )
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", disable=not enabled)

@@ -1,0 +1,138 @@
+"""A request's host-side state: its tokens, progress through the cache, text and metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.tokenizer import StreamDecoder, Tokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def mean_inter_token_latency(self) -> float | None:
+        if self.num_generated_tokens < 2 or self.first_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What `Engine.step` reports for a request that made progress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated ids so far (a final EOS / stop id included)
+    text: str  # all generated text so far (special tokens and a matched stop string excluded)
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    metrics: RequestMetrics
+
+
+class Request:
+    """Mutable host-side record of one request.
+
+    `all_tokens = prompt + generated`; the first `num_computed` of them have KV in the
+    cache. `pending = len(all_tokens) - num_computed` tokens still have to go through the
+    model: a request with one pending token decodes, one with more prefills a chunk.
+    """
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int,
+                 eos_ids: tuple[int, ...], tokenizer: Tokenizer | None, cache_salt: str | None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.eos_ids = eos_ids
+        self.cache_salt = cache_salt
+        self.generated: list[int] = []
+        self.num_computed = 0
+        self.pages: list[int] = []
+        self.num_registered_pages = 0  # leading pages already entered in the prefix cache
+        self.slot: int | None = None
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_hashes: list[bytes] | None = None  # computed on first admission
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt))
+        self.text = ""
+        self._decoder: StreamDecoder | None = tokenizer.stream_decoder() if tokenizer else None
+        self._emitted_text = 0
+        self._emitted_tokens = 0
+        self._hold = max((len(s) for s in params.stop), default=1) - 1  # chars a stop string may claim
+        self._stopped_by_string = False
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt) + len(self.generated) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, now: float) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        p = self.params
+        self.generated.append(token)
+        m = self.metrics
+        m.num_generated_tokens += 1
+        m.first_token_time = m.first_token_time or now
+        m.last_token_time = now
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self._decoder is not None:
+            self._append_text(self._decoder.push(token))
+        if self.finish_reason is None and len(self.generated) >= p.max_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None and self._decoder is not None:
+            self._append_text(self._decoder.flush())
+
+    def _append_text(self, piece: str) -> None:
+        """Add decoded text, cutting it at the first stop string (nothing after it counts)."""
+        if self._stopped_by_string:
+            return
+        self.text += piece
+        for stop in self.params.stop:
+            cut = self.text.find(stop)
+            if cut >= 0:
+                self.text, self.finish_reason, self._stopped_by_string = self.text[:cut], "stop", True
+
+    def take_output(self) -> RequestOutput:
+        """The progress since the last call (text held back while a stop string may match)."""
+        done = self.finish_reason is not None
+        end = len(self.text) if done else max(self._emitted_text, len(self.text) - self._hold)
+        delta_text, self._emitted_text = self.text[self._emitted_text : end], end
+        delta_ids, self._emitted_tokens = self.generated[self._emitted_tokens :], len(self.generated)
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=list(self.generated),
+            text=self.text[:end], delta_token_ids=delta_ids, delta_text=delta_text, finished=done,
+            finish_reason=self.finish_reason, metrics=self.metrics,
+        )

@@ -1,0 +1,75 @@
+"""The engine's one jitted step: a decode group over every slot plus an optional prefill group.
+
+Two programs exist per engine, whatever the traffic: decode-only, and decode + prefill
+(one `[max_prefill_rows, prefill_chunk]` group). Every array in a `StepBatch` has a shape
+fixed at engine construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv.paged_state import PagedKVState
+from jaxinfer.model import ModelParams, TokenGroup, forward_groups
+from jaxinfer.sampling import SamplingArrays, sample_tokens
+
+
+@struct.dataclass
+class PrefillBatch:
+    tokens: jax.Array  # i32[P, C]: a chunk of pending tokens per row, right-padded
+    slots: jax.Array  # i32[P]: the slot each row continues
+    num_new: jax.Array  # i32[P]: valid tokens per row (0 = unused row)
+
+
+@struct.dataclass
+class StepBatch:
+    block_tables: jax.Array  # i32[max_slots, max_pages_per_seq]: host-owned page map
+    lengths: jax.Array  # i32[max_slots]: tokens cached per slot before this step
+    decode_tokens: jax.Array  # i32[max_slots]: the one pending token of each decoding slot
+    decode_active: jax.Array  # bool[max_slots]
+    sampling: SamplingArrays  # [max_slots]: per-slot sampling parameters
+    prefill: PrefillBatch | None = None
+
+
+@struct.dataclass
+class StepOutput:
+    decode_tokens: jax.Array  # i32[max_slots]: next token per slot (meaningful where active)
+    prefill_tokens: jax.Array | None  # i32[P]: next token after each row's chunk
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch
+                ) -> tuple[PagedKVState, StepOutput]:
+    """Run every scheduled token through the model and sample; donates `kv`.
+
+    The sampled token of a row is keyed by (seed, its future cache position), so a request
+    draws the same tokens whether it decodes, prefills in chunks or is recomputed after
+    preemption.
+    """
+    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
+    decode = TokenGroup(
+        tokens=batch.decode_tokens[:, None], positions=batch.lengths[:, None], slots=slots,
+        num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots),
+    )
+    groups = (decode,)
+    if batch.prefill is not None:
+        p = batch.prefill
+        chunk = p.tokens.shape[1]
+        groups += (TokenGroup(
+            tokens=p.tokens, positions=batch.lengths[p.slots][:, None] + jnp.arange(chunk, dtype=jnp.int32),
+            slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0),
+        ),)
+    logits, kv = forward_groups(params, config, kv, groups)
+    decode_next = sample_tokens(logits[0], batch.sampling, kv.lengths)
+    prefill_next = None
+    if batch.prefill is not None:
+        rows = jax.tree.map(lambda a: a[batch.prefill.slots], batch.sampling)
+        prefill_next = sample_tokens(logits[1], rows, kv.lengths[batch.prefill.slots])
+    return kv, StepOutput(decode_tokens=decode_next, prefill_tokens=prefill_next)

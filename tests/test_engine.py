@@ -1,0 +1,220 @@
+"""The serving engine: batching invariance, preemption, prefix caching, isolation, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.engine.step import engine_step
+from jaxinfer.kv.paged_state import NULL_PAGE
+from jaxinfer.loading import Model
+from jaxinfer.sampling import SamplingParams
+from tiny_models import tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    config, params = tiny_model(max_position=512)
+    return Model(config=config, params=params, tokenizer=None)
+
+
+def engine(model, **kw) -> Engine:
+    return Engine(model, EngineConfig(**({"max_slots": 4, "page_size": 4, "prefill_chunk": 8, "max_model_len": 128} | kw)))
+
+
+def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 97, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def alone(model, prompt, params) -> list[int]:
+    return Engine(model, EngineConfig(max_slots=1, page_size=4, prefill_chunk=128, max_model_len=128,
+                                      enable_prefix_caching=False)).generate([prompt], params)[0].token_ids
+
+
+def test_sixteen_concurrent_greedy_requests_equal_each_alone(model):
+    ps = prompts(16, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True) for n in np.random.default_rng(2).integers(1, 20, 16)]
+    eng = engine(model, max_slots=16, max_prefill_rows=2)
+    outs = eng.generate(ps, params)
+    for p, sp, out in zip(ps, params, outs):
+        assert out.token_ids == alone(model, p, sp)
+        assert len(out.token_ids) == sp.max_tokens and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_independent_of_batching_and_chunking(model):
+    ps = prompts(6, seed=3)
+    sp = [SamplingParams(temperature=1.0, top_k=20, seed=i, max_tokens=12, ignore_eos=True) for i in range(6)]
+    together = engine(model, prefill_chunk=4).generate(ps, sp)
+    for p, s, out in zip(ps, sp, together):
+        assert out.token_ids == alone(model, p, s)
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(model):
+    ps = prompts(8, seed=4, lo=10, hi=30)
+    sp = [GREEDY, SamplingParams(temperature=0.8, seed=9, max_tokens=10, ignore_eos=True)] * 4
+    ample = engine(model).generate(ps, sp)
+    tight = engine(model, num_pages=14)  # 13 usable pages of 4 tokens; one request needs up to 10
+    outs = tight.generate(ps, sp)
+    assert tight.metrics().preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
+    assert any(o.metrics.num_preemptions for o in outs)
+
+
+def test_prefix_cache_reuses_shared_prefixes_and_changes_nothing(model):
+    system = prompts(1, seed=5, lo=22, hi=23)[0]  # 22 tokens: 5 full pages of 4
+    ps = [system + tail for tail in prompts(4, seed=6, lo=3, hi=9)]
+    on, off = engine(model), engine(model, enable_prefix_caching=False)
+    first = on.generate(ps[:1], GREEDY)  # fills the cache
+    out_on = first + on.generate(ps[1:], GREEDY)
+    out_off = off.generate(ps, GREEDY)
+    assert [o.token_ids for o in out_on] == [o.token_ids for o in out_off]
+    m = on.metrics()
+    # Each later request finds the 5 full pages of the shared prefix; nothing else matches
+    # (their first own page mixes prefix and random tail tokens).
+    assert m.prefix_hits == 3 * 5
+    assert [o.metrics.num_cached_prompt_tokens for o in out_on] == [0, 20, 20, 20]
+    assert off.metrics().prefix_hits == 0
+
+
+def test_different_salts_never_share_pages(model):
+    p = prompts(1, seed=7, lo=30, hi=31)[0]
+    eng = engine(model)
+    a = eng.generate([p], GREEDY)[0]
+    rid = eng.add_request(p, GREEDY, cache_salt="tenant-b")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert eng.metrics().prefix_hits == 0
+    assert outs[-1].token_ids == a.token_ids and outs[-1].request_id == rid
+    eng.add_request(p, GREEDY, cache_salt="tenant-b")  # same tenant again: hits
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.metrics().prefix_hits == (len(p) - 1) // 4
+
+
+def test_bad_input_raises_at_add_request_and_serving_continues(model):
+    eng = engine(model)
+    rid = eng.add_request(prompts(1)[0], GREEDY, request_id="ok")
+    eng.step()
+    cases = [
+        (dict(prompt=[]), "empty"),
+        (dict(prompt=[1, 2, 500]), "outside the vocabulary"),
+        (dict(prompt=[1] * 125), "max_model_len"),
+        (dict(prompt="text"), "no tokenizer"),
+        (dict(prompt=3.5), "prompt must be"),
+        (dict(prompt=[1, 2], request_id="ok"), "already in use"),
+        (dict(prompt=[1, 2], params="greedy"), "SamplingParams"),
+        (dict(prompt=[1, 2], cache_salt=7), "cache_salt"),
+    ]
+    for kwargs, message in cases:
+        kwargs.setdefault("params", GREEDY)
+        with pytest.raises(ValueError, match=message):
+            eng.add_request(**kwargs)
+    with pytest.raises(ValueError, match="pages"):
+        engine(model, num_pages=4).add_request([1] * 10, GREEDY)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs[-1].request_id == rid and outs[-1].finished and len(outs[-1].token_ids) == 10
+    assert eng.scheduler.allocator.num_allocated == 0
+
+
+def test_invalid_engine_config_is_rejected(model):
+    with pytest.raises(ValueError, match="max_slots"):
+        EngineConfig(max_slots=0)
+    with pytest.raises(ValueError, match="scheduling"):
+        EngineConfig(scheduling="fifo")
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, EngineConfig(max_model_len=10_000))
+
+
+def test_abort_mid_generation_frees_pages(model):
+    eng = engine(model)
+    a = eng.add_request(prompts(1, seed=8, lo=20, hi=21)[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    b = eng.add_request(prompts(1, seed=9)[0], GREEDY)
+    for _ in range(6):
+        eng.step()
+    assert eng.scheduler.allocator.num_allocated > 0
+    eng.abort(a)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert b not in eng.requests
+    assert eng.scheduler.allocator.num_allocated == 0
+    eng.scheduler.allocator.check_invariants()
+
+
+def test_two_hundred_requests_compile_nothing_after_warmup(model):
+    eng = engine(model, max_slots=8, max_prefill_rows=2, prefill_chunk=8)
+    warm = prompts(4, seed=10)
+    eng.generate(warm, GREEDY)  # compiles decode-only and decode+prefill programs
+    before = engine_step._cache_size()
+    rng = np.random.default_rng(11)
+    ps = prompts(200, seed=12, hi=60)
+    sp = [SamplingParams(temperature=float(rng.choice([0, 0.7])), top_p=0.9, seed=i, max_tokens=int(rng.integers(1, 12)))
+          for i in range(200)]
+    outs = eng.generate(ps, sp)
+    assert all(o.finished for o in outs)
+    assert engine_step._cache_size() == before
+
+
+# ---- property test: random traffic never breaks page ownership ---------------------------------
+
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.sampled_from([None, "a", "b"])),
+        st.tuples(st.just("step"), st.integers(1, 3)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(script=actions, shared=st.booleans())
+def test_random_traffic_keeps_pages_consistent(model, script, shared):
+    eng = engine(model, num_pages=24)
+    base = prompts(1, seed=13, lo=12, hi=13)[0]
+    rng = np.random.default_rng(0)
+    live: list[str] = []
+    for action in script:
+        if action[0] == "add":
+            _, n, max_tokens, salt = action
+            p = (base[:8] if shared else []) + rng.integers(0, 97, n).tolist()
+            live.append(eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens), cache_salt=salt))
+        elif action[0] == "step":
+            for _ in range(action[1]):
+                eng.step()
+        elif live:
+            rid = live.pop(action[1] % len(live))
+            if rid in eng.requests:
+                eng.abort(rid)
+        check_ownership(eng)
+    while eng.has_unfinished_requests():
+        eng.step()
+        check_ownership(eng)
+    alloc = eng.scheduler.allocator
+    assert alloc.num_allocated == 0 and alloc.num_free == eng.spec.num_pages - 1
+
+
+def check_ownership(eng: Engine) -> None:
+    alloc = eng.scheduler.allocator
+    alloc.check_invariants()
+    running = eng.scheduler.running
+    owners: dict[int, list] = {}
+    for req in running:
+        assert NULL_PAGE not in req.pages
+        for page in req.pages:
+            owners.setdefault(page, []).append(req)
+    for page, reqs in owners.items():
+        assert alloc.refcount(page) == len(reqs)
+        if len(reqs) > 1:
+            # Shared only as a cached prefix page, by requests of one salt, at one block index.
+            assert page in alloc._hash_of
+            assert len({r.cache_salt for r in reqs}) == 1
+            assert len({r.pages.index(page) for r in reqs}) == 1
