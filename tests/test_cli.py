@@ -44,3 +44,16 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     assert missing.returncode == 2 and "nope.gguf" in missing.stderr and "Traceback" not in missing.stderr
     bad_temp = jaxinfer("generate", "--temperature", "-1", "hi", check=False)
     assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
+
+
+@pytest.mark.slow
+def test_several_prompts_go_through_the_engine_with_stats(smollm2_gguf, tmp_path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("Name a fruit.\n\nName a colour.\n")
+    out = jaxinfer("generate", "--model", str(smollm2_gguf), "--max-tokens", "6", "--stats",
+                   "Name an animal.", "--prompts-file", str(prompts_file))
+    assert out.stdout.count("=== [") == 3 and "'Name a colour.'" in out.stdout
+    for metric in ("running: 0", "waiting: 0", "prefix_hit_rate", "preemptions: 0", "compiled_programs"):
+        assert metric in out.stderr
+    empty = jaxinfer("generate", "--prompts-file", str(tmp_path / "missing.txt"), check=False)
+    assert empty.returncode == 2 and "missing.txt" in empty.stderr

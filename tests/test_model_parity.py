@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.generate import Generator
+from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.loading import load_model
 from jaxinfer.model import forward
@@ -66,8 +66,8 @@ def test_tiny_llama_logits_and_greedy_match_transformers(tmp_path, variant):
 
     prompt = tokens[0, :12]
     ref = hf_greedy(hf, prompt.tolist(), 32)
-    gen = Generator(ours, max_batch=2, max_seq_len=64)
-    out = gen.generate([prompt.tolist()], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    eng = Engine(ours, EngineConfig(max_slots=2, page_size=8, prefill_chunk=8, max_model_len=64))
+    out = eng.generate([prompt.tolist()], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert out[0].token_ids == ref
 
 
@@ -86,8 +86,8 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf):
     got = all_position_logits(ours, np.asarray([ids], np.int32))[0, -1]
     np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
 
-    gen = Generator(ours, max_batch=1, max_seq_len=len(ids) + 64)
-    out = gen.generate([ids], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    eng = Engine(ours, EngineConfig(max_slots=1, max_model_len=256))
+    out = eng.generate([ids], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     assert out[0].token_ids == ref
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.request import Request, RequestOutput, RequestStatus
+from jaxinfer.engine.request import Request, RequestMetrics, RequestOutput
 from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
 from jaxinfer.engine.step import PrefillBatch, StepBatch, engine_step
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
@@ -97,6 +98,7 @@ class Engine:
             static_batching=config.scheduling == "static",
         )
         self.requests: dict[str, Request] = {}
+        self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)  # most recent first out
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._steps = 0
@@ -181,6 +183,7 @@ class Engine:
             req.append_token(token, now)
             if req.finish_reason is not None:
                 req.metrics.finished_time = now
+                self.finished_metrics.append(req.metrics)
                 self.scheduler.remove(req)
                 del self.requests[req.request_id]
             outputs.append(req.take_output())
