@@ -218,3 +218,15 @@ def check_ownership(eng: Engine) -> None:
             assert page in alloc._hash_of
             assert len({r.cache_salt for r in reqs}) == 1
             assert len({r.pages.index(page) for r in reqs}) == 1
+
+
+def test_requests_admitted_together_pick_up_a_prefix_cached_meanwhile(model):
+    """All four miss at admission; the first to prefill the shared 24 tokens caches 6 pages,
+    and the other three take them instead of recomputing (one prefill row per step)."""
+    system = prompts(1, seed=14, lo=24, hi=25)[0]
+    ps = [system + tail for tail in prompts(4, seed=15, lo=2, hi=6)]
+    eng = engine(model, max_prefill_rows=1)
+    outs = eng.generate(ps, GREEDY)
+    assert sorted(o.metrics.num_cached_prompt_tokens for o in outs) == [0, 24, 24, 24]
+    off = engine(model, enable_prefix_caching=False).generate(ps, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off]

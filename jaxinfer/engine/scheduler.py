@@ -20,6 +20,7 @@ from collections import deque
 
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator
+from jaxinfer.kv.paged_state import NULL_PAGE
 from jaxinfer.kv.prefix_cache import block_hashes
 
 
@@ -43,7 +44,13 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, prefill_chunk: int,
                  max_prefill_rows: int, max_tokens_per_step: int, enable_prefix_caching: bool,
-                 cache_root: bytes, static_batching: bool = False):
+                 cache_root: bytes, static_batching: bool = False, release_window: int | None = None,
+                 max_pages_per_seq: int | None = None):
+        """`release_window=W`: pages wholly behind the last W tokens return to the pool as a
+        request advances (every layer windowed). `max_pages_per_seq`: a request never holds
+        more pages (a streaming ring reuses its pages in place)."""
+        self.release_window = release_window
+        self.max_pages_per_seq = max_pages_per_seq
         self.max_slots = max_slots
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
@@ -89,6 +96,7 @@ class Scheduler:
             if req.pending == 1 and budget >= 1:
                 n = 1
             elif req.pending > 1 and len(prefill) < self.max_prefill_rows and budget >= 1:
+                self._extend_prefix_hit(req)
                 n = min(req.pending, self.prefill_chunk, budget)
             else:
                 continue
@@ -112,6 +120,9 @@ class Scheduler:
         if self.enable_prefix_caching:
             for req in self.running:
                 self._register_full_prompt_pages(req)
+        if self.release_window is not None:
+            for req in self.running:
+                self._release_behind_window(req)
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -130,7 +141,7 @@ class Scheduler:
             req.pages = cached
             req.num_registered_pages = len(cached)
             req.num_computed = len(cached) * self.page_size
-            req.metrics.num_cached_prompt_tokens = max(req.metrics.num_cached_prompt_tokens, req.num_computed)
+            req.metrics.num_cached_prompt_tokens = req.num_computed
             req.slot = self.free_slots.pop()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -151,6 +162,26 @@ class Scheduler:
         self.stats.prefix_hits += len(pages)
         return pages
 
+    def _extend_prefix_hit(self, req: Request) -> None:
+        """Before a prefill chunk: take pages another request has cached since admission.
+
+        Requests admitted together all miss at admission; the first to prefill a shared
+        prefix registers its pages, and the others pick them up here instead of
+        recomputing them. Only at a page boundary with no page allocated ahead.
+        """
+        if not self.enable_prefix_caching or req.num_computed != len(req.pages) * self.page_size:
+            return
+        done = len(req.pages)
+        usable = req.block_hashes[done : (len(req.prompt) - 1) // self.page_size]
+        if not usable:
+            return
+        pages = self.allocator.lookup(usable)
+        self.stats.prefix_hits += len(pages)
+        req.pages += pages
+        req.num_computed += len(pages) * self.page_size
+        req.num_registered_pages = len(req.pages)
+        req.metrics.num_cached_prompt_tokens += len(pages) * self.page_size
+
     def _register_full_prompt_pages(self, req: Request) -> None:
         full = min(req.num_computed, len(req.prompt)) // self.page_size
         for i in range(req.num_registered_pages, full):
@@ -158,7 +189,23 @@ class Scheduler:
         req.num_registered_pages = max(req.num_registered_pages, full)
 
     def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        pages = -(-tokens // self.page_size)
+        return pages if self.max_pages_per_seq is None else min(pages, self.max_pages_per_seq)
+
+    def _release_behind_window(self, req: Request) -> None:
+        """Free the pages no future query can see: the next query (index num_computed) sees
+        keys > num_computed - W, so page i goes once (i + 1) * page_size <= num_computed - W + 1.
+        Its block-table entry becomes NULL_PAGE (released pages are always a prefix)::
+
+            W = 5, page_size = 4, num_computed = 13:  the next query (13) sees keys 9..13
+            pages  [0: 0-3][1: 4-7][2: 8-11][3: 12-15]  ->  NULL NULL p2 p3
+        """
+        dead = max(req.num_computed - self.release_window + 1, 0) // self.page_size
+        for i in range(min(dead, len(req.pages)) - 1, -1, -1):
+            if req.pages[i] == NULL_PAGE:
+                break
+            self.allocator.free([req.pages[i]])
+            req.pages[i] = NULL_PAGE
 
     def _grow(self, req: Request, tokens: int) -> bool:
         """Give `req` pages for `tokens` tokens, preempting later requests if the pool is
@@ -185,7 +232,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.pages)
+        self.allocator.free([p for p in req.pages if p != NULL_PAGE])
         req.pages = []
         req.num_registered_pages = 0
         self.free_slots.append(req.slot)
