@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,9 +28,14 @@ from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
 from jaxinfer.engine.step import PrefillBatch, StepBatch, engine_step
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.kv.paged_state import NULL_PAGE
+from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.kv.prefix_cache import cache_identity
+from jaxinfer.config import ModelConfig
 from jaxinfer.loading import Model
 from jaxinfer.sampling import SamplingArrays, SamplingParams
+
+
+STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # or "static": admit a new batch only when all are done
     seed: int = 0  # draws seeds for requests that bring none
+    # (S, W): a bounded StreamingLLM cache per sequence, S sinks + the W most recent tokens;
+    # sequences may then run past max_model_len and the model's context (no prefix caching).
+    streaming: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -58,6 +67,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"EngineConfig.scheduling={self.scheduling!r} must be 'continuous' or 'static'")
+        if self.streaming is not None:
+            if not isinstance(self.streaming, tuple) or len(self.streaming) != 2:
+                raise ValueError(f"EngineConfig.streaming={self.streaming!r} must be None or a pair (sinks, window)")
+            StreamingSpec(*self.streaming)  # validates both
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,23 +93,27 @@ class Engine:
         self.model = model
         self.config = config
         mc = model.config
-        max_len = config.max_model_len or min(mc.max_position, 2048)
-        if max_len > mc.max_position:
+        stream = None if config.streaming is None else StreamingSpec(*config.streaming)
+        max_len = config.max_model_len or (STREAMING_MAX_LEN if stream else min(mc.max_position, 2048))
+        if max_len > mc.max_position and stream is None:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context {mc.max_position}")
-        pages_per_seq = -(-max_len // config.page_size)
+        pages_per_seq = stream.pages_for(config.page_size) if stream else -(-max_len // config.page_size)
         num_pages = config.num_pages or config.max_slots * pages_per_seq + 1
         self.max_model_len = max_len
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
-        self.kv = init_paged_kv(mc, self.spec)
+        self.kv = init_paged_kv(mc, self.spec, streaming=stream)
         budget = config.max_tokens_per_step or config.max_slots + config.max_prefill_rows * config.prefill_chunk
         self.scheduler = Scheduler(
             max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
             prefill_chunk=config.prefill_chunk, max_prefill_rows=config.max_prefill_rows,
-            max_tokens_per_step=budget, enable_prefix_caching=config.enable_prefix_caching,
-            cache_root=cache_identity(mc, str(self.kv.layers[0].k.dtype), config.page_size),
+            max_tokens_per_step=budget, enable_prefix_caching=config.enable_prefix_caching and stream is None,
+            cache_root=cache_identity(mc, str(jax.tree.leaves(self.kv.layers[0])[0].dtype), config.page_size),
             static_batching=config.scheduling == "static",
+            release_window=None if stream else release_window(mc),
+            max_pages_per_seq=pages_per_seq if stream else None,
         )
+        self.context_buckets = context_buckets(pages_per_seq)
         self.requests: dict[str, Request] = {}
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)  # most recent first out
         self._seeds = np.random.default_rng(config.seed)
@@ -123,7 +140,7 @@ class Engine:
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")
-        if -(-total // self.spec.page_size) > self.spec.num_pages - 1:
+        if self._peak_pages(total) > self.spec.num_pages - 1:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs more pages "
                              f"than the pool holds ({self.spec.num_pages - 1} of {self.spec.page_size} tokens)")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
@@ -131,6 +148,15 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _peak_pages(self, tokens: int) -> int:
+        """Most pages a request of `tokens` tokens holds at once: fewer than its length needs
+        when pages behind a window are released or a streaming ring bounds it."""
+        ps, window = self.spec.page_size, self.scheduler.release_window
+        pages = min(-(-tokens // ps), self.spec.max_pages_per_seq)
+        if window is not None:  # live keys window - 1 back from the chunk's first query, plus the chunk
+            pages = min(pages, -(-(window - 1 + self.config.prefill_chunk) // ps) + 1)
+        return pages
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its pages return to the pool. Unknown ids raise KeyError."""
@@ -189,9 +215,34 @@ class Engine:
             outputs.append(req.take_output())
         return outputs
 
+    def warmup(self) -> int:
+        """Compile every program traffic can need (decode-only and decode + prefill, at each
+        context bucket) by running steps in which no row is active. Returns the count."""
+        for width in self.context_buckets:
+            for with_prefill in (False, True):
+                self.kv, _ = engine_step(self.model.params, self.model.config, self.kv,
+                                         self._idle_batch(width, with_prefill))
+        return 2 * len(self.context_buckets)
+
+    def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
+        b, rows, chunk = self.spec.max_slots, self.config.max_prefill_rows, self.config.prefill_chunk
+        prefill = None
+        if with_prefill:
+            prefill = PrefillBatch(tokens=jnp.zeros((rows, chunk), jnp.int32), slots=jnp.zeros(rows, jnp.int32),
+                                   num_new=jnp.zeros(rows, jnp.int32))
+        return StepBatch(
+            block_tables=jnp.full((b, width), NULL_PAGE, jnp.int32), lengths=jnp.zeros(b, jnp.int32),
+            decode_tokens=jnp.zeros(b, jnp.int32), decode_active=jnp.zeros(b, bool),
+            sampling=SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b), prefill=prefill,
+        )
+
     def _batch(self, plan: SchedulePlan) -> StepBatch:
-        b, s = self.spec.max_slots, self.spec
-        block_tables = np.full((b, s.max_pages_per_seq), NULL_PAGE, np.int32)
+        b = self.spec.max_slots
+        # Attention gathers `width` pages per row: the smallest bucket that holds every
+        # running sequence, so short contexts do not pay for max_model_len.
+        longest = max(len(r.pages) for r in self.scheduler.running)
+        width = next(w for w in self.context_buckets if w >= longest)
+        block_tables = np.full((b, width), NULL_PAGE, np.int32)
         lengths = np.zeros(b, np.int32)
         params: list[SamplingParams] = [SamplingParams(temperature=0)] * b
         seeds = [0] * b
@@ -273,6 +324,22 @@ class Engine:
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
             preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=engine_step._cache_size(),
         )
+
+
+def release_window(config: ModelConfig) -> int | None:
+    """The window behind which a sequence's pages can be freed: the widest layer window
+    when every layer is windowed (Mistral), else None (a global layer needs every page)."""
+    windows = config.layer_windows
+    return max(windows) if windows and None not in windows else None
+
+
+def context_buckets(max_pages: int, smallest: int = 4) -> list[int]:
+    """Block-table widths the step is compiled for: powers of two, then `max_pages`."""
+    buckets, w = [], smallest
+    while w < max_pages:
+        buckets.append(w)
+        w *= 2
+    return buckets + [max_pages]
 
 
 def _progress_bar(total: int, enabled: bool):

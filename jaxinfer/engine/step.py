@@ -1,8 +1,10 @@
 """The engine's one jitted step: a decode group over every slot plus an optional prefill group.
 
-Two programs exist per engine, whatever the traffic: decode-only, and decode + prefill
-(one `[max_prefill_rows, prefill_chunk]` group). Every array in a `StepBatch` has a shape
-fixed at engine construction.
+Two kinds of program exist, whatever the traffic: decode-only, and decode + prefill (one
+`[max_prefill_rows, prefill_chunk]` group), each compiled once per *context bucket*: the
+block tables are cut to the smallest of a few widths (powers of two pages) that holds every
+running sequence, so attention over short contexts does not gather `max_model_len` keys.
+Every other array in a `StepBatch` has a shape fixed at engine construction.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class PrefillBatch:
 
 @struct.dataclass
 class StepBatch:
-    block_tables: jax.Array  # i32[max_slots, max_pages_per_seq]: host-owned page map
+    block_tables: jax.Array  # i32[max_slots, width]: host-owned page map, cut to a context bucket
     lengths: jax.Array  # i32[max_slots]: tokens cached per slot before this step
     decode_tokens: jax.Array  # i32[max_slots]: the one pending token of each decoding slot
     decode_active: jax.Array  # bool[max_slots]
@@ -48,10 +50,14 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
                 ) -> tuple[PagedKVState, StepOutput]:
     """Run every scheduled token through the model and sample; donates `kv`.
 
+    Block tables and lengths come from the host in `batch`; the returned state keeps the
+    block tables and lengths it came in with, so its shapes never depend on the bucket.
+
     The sampled token of a row is keyed by (seed, its future cache position), so a request
     draws the same tokens whether it decodes, prefills in chunks or is recomputed after
     preemption.
     """
+    host_owned = (kv.block_tables, kv.lengths)  # returned untouched: the host tracks both
     kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
     slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
     decode = TokenGroup(
@@ -72,4 +78,5 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     if batch.prefill is not None:
         rows = jax.tree.map(lambda a: a[batch.prefill.slots], batch.sampling)
         prefill_next = sample_tokens(logits[1], rows, kv.lengths[batch.prefill.slots])
+    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
     return kv, StepOutput(decode_tokens=decode_next, prefill_tokens=prefill_next)

@@ -1,0 +1,131 @@
+"""Serving throughput on SmolLM2-135M (f32, CPU): continuous vs static batching vs transformers,
+and prefix caching on a shared system prompt. One run; last line: one JSON object.
+
+    python benchmarks/serving.py [--requests 64] [--prefix-requests 32]
+
+Trace: prompt and output lengths drawn from log-normal (long-tailed) distributions with a
+fixed seed; greedy, EOS ignored so every system produces exactly the requested tokens.
+Throughput = requested output tokens / wall time, prefill included.
+  continuous   Engine, max_slots 16: requests join and leave between iterations
+  static       the same Engine with scheduling="static": batches of 16 that run until their
+               longest member finishes
+  hf_static    transformers generate, batches of 16 (left-padded) run to the longest output
+Prefix: requests = one 512-token system prompt + a short question each, max_slots 16, with
+and without the prefix cache: prompt tokens computed and mean time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+SLOTS = 16
+
+
+def trace(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(np.log(48), 0.9, n), 4, 512).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(24), 0.9, n), 2, 256).astype(int)
+    prompts = [rng.integers(100, 40_000, int(p)).tolist() for p in prompt_lens]
+    return prompts, output_lens.tolist()
+
+
+def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, int]:
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.engine.step import engine_step
+    from jaxinfer.sampling import SamplingParams
+
+    engine = Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
+                                        scheduling=scheduling, enable_prefix_caching=False))
+    engine.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0, max_tokens=2))  # compile both programs
+    compiled = engine_step._cache_size()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == list(outputs)
+    return sum(outputs) / dt, engine_step._cache_size() - compiled
+
+
+def hf_static_throughput(prompts, outputs) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxinfer.default_model import default_model_path
+
+    torch.set_num_threads(2)
+    gguf = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), SLOTS):
+        batch, outs = prompts[start : start + SLOTS], outputs[start : start + SLOTS]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(outs), do_sample=False, pad_token_id=0)
+    return sum(outputs) / (time.perf_counter() - t0)
+
+
+def prefix_run(model, n: int, cache: bool) -> tuple[int, float]:
+    """-> (prompt tokens computed, mean time to first token)."""
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.sampling import SamplingParams
+
+    rng = np.random.default_rng(1)
+    system = rng.integers(100, 40_000, 512).tolist()
+    prompts = [system + rng.integers(100, 40_000, int(rng.integers(8, 24))).tolist() for _ in range(n)]
+    engine = Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
+                                        enable_prefix_caching=cache))
+    engine.generate([rng.integers(100, 40_000, 70).tolist()], SamplingParams(temperature=0, max_tokens=2))  # compile
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    computed = sum(len(o.prompt_token_ids) - o.metrics.num_cached_prompt_tokens for o in outs)
+    return computed, float(np.mean([o.metrics.time_to_first_token for o in outs]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prefix-requests", type=int, default=32)
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # "hf": run the transformers part in a fresh process
+    args = parser.parse_args()
+    prompts, outputs = trace(args.requests)
+    if args.only == "hf":
+        print(hf_static_throughput(prompts, outputs))
+        return
+
+    from jaxinfer.loading import load_model
+
+    model = load_model()
+    print(f"trace: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))} "
+          f"(max {max(map(len, prompts))}), output tokens {sum(outputs)} (max {max(outputs)})", flush=True)
+    cont, compiles = engine_throughput(model, prompts, outputs, "continuous")
+    print(f"continuous: {cont:.1f} tok/s, compiles after warm-up: {compiles}", flush=True)
+    static, _ = engine_throughput(model, prompts, outputs, "static")
+    print(f"static:     {static:.1f} tok/s", flush=True)
+    hf = float(subprocess.run([sys.executable, __file__, "--only", "hf", "--requests", str(args.requests)],
+                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    print(f"hf static:  {hf:.1f} tok/s", flush=True)
+    computed_off, ttft_off = prefix_run(model, args.prefix_requests, cache=False)
+    computed_on, ttft_on = prefix_run(model, args.prefix_requests, cache=True)
+    print(f"prefix: computed {computed_on} vs {computed_off} prompt tokens; mean TTFT {ttft_on:.2f} s vs {ttft_off:.2f} s")
+    print(f"# {platform.machine()}, {os.cpu_count()} cpus, f32, greedy, max_slots {SLOTS}")
+    print(json.dumps({
+        "continuous_tok_s": round(cont, 1), "static_tok_s": round(static, 1),
+        "continuous_over_static": round(cont / static, 2), "hf_static_tok_s": round(hf, 1),
+        "continuous_over_hf": round(cont / hf, 2),
+        "prefix_prefill_saved_frac": round(1 - computed_on / computed_off, 3),
+        "prefix_ttft_ratio": round(ttft_on / ttft_off, 3), "compiles_after_warmup": compiles,
+    }))
+
+
+if __name__ == "__main__":
+    main()
