@@ -44,7 +44,7 @@ def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, 
 
     engine = Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
                                         scheduling=scheduling, enable_prefix_caching=False))
-    engine.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0, max_tokens=2))  # compile both programs
+    engine.warmup()
     compiled = engine_step._cache_size()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def prefix_run(model, n: int, cache: bool) -> tuple[int, float]:
     prompts = [system + rng.integers(100, 40_000, int(rng.integers(8, 24))).tolist() for _ in range(n)]
     engine = Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
                                         enable_prefix_caching=cache))
-    engine.generate([rng.integers(100, 40_000, 70).tolist()], SamplingParams(temperature=0, max_tokens=2))  # compile
+    engine.warmup()
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     computed = sum(len(o.prompt_token_ids) - o.metrics.num_cached_prompt_tokens for o in outs)
     return computed, float(np.mean([o.metrics.time_to_first_token for o in outs]))
