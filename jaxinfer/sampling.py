@@ -72,12 +72,12 @@ class SamplingArrays:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> SamplingArrays:
-        return cls(
-            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-            min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
-            seed=jnp.asarray(np.asarray(seeds, np.uint32)),
+        return cls(  # numpy leaves: converted when they enter a jitted function
+            temperature=np.asarray([p.temperature for p in params], np.float32),
+            top_k=np.asarray([p.top_k for p in params], np.int32),
+            top_p=np.asarray([p.top_p for p in params], np.float32),
+            min_p=np.asarray([p.min_p for p in params], np.float32),
+            seed=np.asarray(seeds, np.uint32),
         )
 
 

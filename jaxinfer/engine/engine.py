@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.request import Request, RequestMetrics, RequestOutput
@@ -55,6 +54,9 @@ class EngineConfig:
     # (S, W): a bounded StreamingLLM cache per sequence, S sinks + the W most recent tokens;
     # sequences may then run past max_model_len and the model's context (no prefix caching).
     streaming: tuple[int, int] | None = None
+    # A jax.sharding.Mesh with axes ("data", "model") (`jaxinfer.sharding.make_mesh`): params
+    # and pages split over heads on `model`, slots over `data`. None = one device.
+    mesh: object | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -103,6 +105,12 @@ class Engine:
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
         self.kv = init_paged_kv(mc, self.spec, streaming=stream)
+        self._step, self._place = engine_step, lambda batch: batch
+        if config.mesh is not None:
+            from jaxinfer.sharding import shard_engine
+
+            self.model, self.kv, self._step, self._place = shard_engine(model, self.kv, config.mesh,
+                                                                        config.max_slots, engine_step)
         budget = config.max_tokens_per_step or config.max_slots + config.max_prefill_rows * config.prefill_chunk
         self.scheduler = Scheduler(
             max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
@@ -196,7 +204,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        self.kv, out = engine_step(self.model.params, self.model.config, self.kv, self._batch(plan))
+        self.kv, out = self._step(self.model.params, self.model.config, self.kv, self._place(self._batch(plan)))
         decode_next = np.asarray(out.decode_tokens)
         prefill_next = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
         self.scheduler.commit(plan)
@@ -220,19 +228,19 @@ class Engine:
         context bucket) by running steps in which no row is active. Returns the count."""
         for width in self.context_buckets:
             for with_prefill in (False, True):
-                self.kv, _ = engine_step(self.model.params, self.model.config, self.kv,
-                                         self._idle_batch(width, with_prefill))
+                self.kv, _ = self._step(self.model.params, self.model.config, self.kv,
+                                        self._place(self._idle_batch(width, with_prefill)))
         return 2 * len(self.context_buckets)
 
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
         b, rows, chunk = self.spec.max_slots, self.config.max_prefill_rows, self.config.prefill_chunk
         prefill = None
         if with_prefill:
-            prefill = PrefillBatch(tokens=jnp.zeros((rows, chunk), jnp.int32), slots=jnp.zeros(rows, jnp.int32),
-                                   num_new=jnp.zeros(rows, jnp.int32))
+            prefill = PrefillBatch(tokens=np.zeros((rows, chunk), np.int32), slots=np.zeros(rows, np.int32),
+                                   num_new=np.zeros(rows, np.int32))
         return StepBatch(
-            block_tables=jnp.full((b, width), NULL_PAGE, jnp.int32), lengths=jnp.zeros(b, jnp.int32),
-            decode_tokens=jnp.zeros(b, jnp.int32), decode_active=jnp.zeros(b, bool),
+            block_tables=np.full((b, width), NULL_PAGE, np.int32), lengths=np.zeros(b, np.int32),
+            decode_tokens=np.zeros(b, np.int32), decode_active=np.zeros(b, bool),
             sampling=SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b), prefill=prefill,
         )
 
@@ -264,10 +272,10 @@ class Engine:
             for i, (req, n) in enumerate(plan.prefill):
                 tokens[i, :n] = req.all_tokens[req.num_computed : req.num_computed + n]
                 slots[i], num_new[i] = req.slot, n
-            prefill = PrefillBatch(tokens=jnp.asarray(tokens), slots=jnp.asarray(slots), num_new=jnp.asarray(num_new))
+            prefill = PrefillBatch(tokens=tokens, slots=slots, num_new=num_new)
+        # numpy leaves: jit transfers them in one go, cheaper than a jnp.asarray each
         return StepBatch(
-            block_tables=jnp.asarray(block_tables), lengths=jnp.asarray(lengths),
-            decode_tokens=jnp.asarray(decode_tokens), decode_active=jnp.asarray(active),
+            block_tables=block_tables, lengths=lengths, decode_tokens=decode_tokens, decode_active=active,
             sampling=SamplingArrays.from_params(params, seeds), prefill=prefill,
         )
 
@@ -322,7 +330,7 @@ class Engine:
             pages_free=a.num_free, pages_cached=a.num_cached,
             prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
-            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=engine_step._cache_size(),
+            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._step._cache_size(),
         )
 
 
