@@ -1,0 +1,71 @@
+"""Speculative verification: accept or correct draft tokens so the output follows the target.
+
+Given k draft tokens `d_1..d_k` drawn from the draft's distributions `q_1..q_k`, and the
+target's distributions `p_1..p_{k+1}` at the same k+1 positions (one target forward over
+the block), the rule of Leviathan et al. / Chen et al. is::
+
+    for i = 1..k:   accept d_i with probability  a_i = min(1, p_i(d_i) / q_i(d_i))
+    first reject:   emit c ~ normalize(max(p_i - q_i, 0))        and stop
+    all accepted:   emit a bonus token b ~ p_{k+1}
+
+Each emitted token is then distributed exactly as the target's next-token distribution
+given everything before it. `p` and `q` must be the distributions actually sampled from:
+after temperature / top-k / top-p / min-p (`sampling.filter_logits`), so speculation is
+invisible to the user. Greedy targets are one-hot `p`; deterministic (n-gram) drafts are
+one-hot `q`; both are ordinary cases of the same rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def acceptance_probs(p: jax.Array, q: jax.Array, draft: jax.Array) -> jax.Array:
+    """a_i = min(1, p_i(d_i) / q_i(d_i)).
+
+    p, q: f[..., k, V]; draft: i32[..., k] -> f[..., k]. A draft token with q = 0 cannot
+    have been drawn; it is rejected (a = 0) rather than dividing by zero.
+    """
+    pd = jnp.take_along_axis(p, draft[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    return jnp.where(qd > 0, jnp.minimum(1.0, pd / jnp.where(qd > 0, qd, 1.0)), 0.0)
+
+
+def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
+    """normalize(max(p - q, 0)) over the last axis: f[..., V] -> f[..., V].
+
+    Where p <= q everywhere (then p == q and rejection has probability 0) the residual is
+    undefined; p is returned so the result is always a distribution.
+    """
+    r = jnp.maximum(p - q, 0.0)
+    mass = r.sum(axis=-1, keepdims=True)
+    return jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), p)
+
+
+def verify_draft(
+    key: jax.Array,  # one PRNG key per row: key[B]
+    draft: jax.Array,  # i32[B, k]: draft tokens
+    q: jax.Array,  # f32[B, k, V]: draft distributions the tokens were drawn from
+    p: jax.Array,  # f32[B, k + 1, V]: target distributions at the k + 1 positions
+) -> tuple[jax.Array, jax.Array]:
+    """-> (num_accepted i32[B] in [0, k], tokens i32[B, k + 1]).
+
+    Row b emits `tokens[b, : num_accepted[b] + 1]`: the accepted drafts, then the
+    correction (at the first rejection) or the bonus token (when all k were accepted).
+    Entries past that are padding.
+    """
+    return jax.vmap(_verify_row)(key, draft, q, p)
+
+
+def _verify_row(key, draft, q, p):
+    k = draft.shape[0]
+    k_accept, k_fix = jax.random.split(key)
+    accept = jax.random.uniform(k_accept, (k,)) < acceptance_probs(p[:k], q, draft)
+    n = jnp.argmin(jnp.append(accept, False))  # leading accepted drafts
+    # Position n emits from the residual when a draft was rejected there, else from p_{k+1}.
+    fix_q = jnp.where(n < k, q[jnp.minimum(n, k - 1)], 0.0)
+    fix = residual_distribution(p[n], fix_q)
+    correction = jax.random.categorical(k_fix, jnp.log(fix))
+    tokens = jnp.append(draft, 0).at[n].set(correction)
+    return n.astype(jnp.int32), tokens.astype(jnp.int32)
