@@ -1,4 +1,4 @@
-"""Command line: `jaxinfer generate`, `jaxinfer convert`."""
+"""Command line: `jaxinfer generate`, `jaxinfer convert`, `jaxinfer calibrate-kv`, `jaxinfer serve`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ EXAMPLES = """examples:
   jaxinfer generate --stats "Name a colour." "Name a fruit." --prompts-file more_prompts.txt
   jaxinfer generate --raw --temperature 0.8 --seed 1 "Once upon a time"
   jaxinfer generate --model ./my-llama-dir "Hello"
+  jaxinfer generate --mesh data=2,model=4 "Hello"   # 8 devices: 2-way data x 4-way tensor parallel
   jaxinfer convert model.gguf ./model-orbax     # orbax reloads faster than GGUF
+  jaxinfer serve --port 8000 --api-key sk-local    # OpenAI-compatible API on 127.0.0.1
+  jaxinfer calibrate-kv --budget-kl 0.01 --out plan.json   # per-layer KV-cache formats within a KL budget
 """
 
 
@@ -26,6 +29,25 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    "or an orbax directory from `jaxinfer convert`; default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight and activation dtype (float32 is fastest on CPU; bfloat16 on GPU/TPU)")
+
+
+def _add_mesh_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default=None, help="shard over devices, e.g. 'data=2,model=4' (tensor parallel on "
+                   "model, slots on data; sizes multiply to the device count of all processes)")
+    p.add_argument("--coordinator", default=None, help="multi-host: host:port of process 0 for jax.distributed "
+                   "(or $JAXINFER_COORDINATOR); on TPU pods/SLURM give only --num-processes to auto-detect")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in the job "
+                   "(or $JAXINFER_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's rank "
+                   "(or $JAXINFER_PROCESS_ID)")
+
+
+def _mesh(args: argparse.Namespace):
+    """Initialize jax.distributed when asked to, then build the --mesh (None without one)."""
+    from jaxinfer.sharding import initialize_distributed, make_mesh
+
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    return None if args.mesh is None else make_mesh(args.mesh)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,11 +71,40 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
     gen.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
     gen.add_argument("--stats", action="store_true", help="print the engine metrics at the end")
+    _add_mesh_flags(gen)
 
     conv = sub.add_parser("convert", help="save any loadable model as an orbax checkpoint directory")
     conv.add_argument("src", help="a .gguf file or an HF directory")
     conv.add_argument("dst", help="output directory (must not exist)")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    cal = sub.add_parser("calibrate-kv", help="choose per-layer KV-cache formats (fewest bytes) within an error budget",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_flags(cal)
+    cal.add_argument("--out", required=True, help="where to write the plan (JSON; pass it as kv_cache=...)")
+    cal.add_argument("--budget-kl", type=float, help="max mean next-token KL (nats) against the full-precision cache")
+    cal.add_argument("--budget-out-err", type=float, help="max relative attention-output error per layer and KV head")
+    cal.add_argument("--tokens", type=int, default=512, help="calibration tokens of offline English text")
+    cal.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    cal.add_argument("--page-size", type=int, default=16, help="page size the plan will run at (KIVI groups)")
+    cal.add_argument("--formats", default="f32,bf16,int8,fp8_e4m3,fp8_e5m2,int4,int2", help="candidate formats")
+    cal.add_argument("--probe", default="int4", help="format whose per-layer KL is measured; 'none' to skip")
+    cal.add_argument("--margin", type=float, default=0.8, help="the plan's measured KL must be <= margin * budget")
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model or 'default')")
+    srv.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
+    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
+    srv.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
+    srv.add_argument("--page-size", type=int, default=16)
+    srv.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: enough for every slot)")
+    srv.add_argument("--prefill-chunk", type=int, default=64)
+    srv.add_argument("--no-prefix-caching", action="store_true")
+    srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     return parser
 
 
@@ -84,9 +135,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
     prompts = _read_prompts(args)
+    mesh = _mesh(args)
     model = _load(args.model, args.dtype)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
-    engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position)))
+    engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position),
+                                        mesh=mesh))
     start = time.perf_counter()
     if len(prompts) == 1:
         for piece in engine.stream(prompts[0], params, chat=chat):
@@ -130,13 +183,49 @@ def cmd_convert(args: argparse.Namespace) -> None:
     print(f"wrote {dst}", file=sys.stderr)
 
 
+def cmd_calibrate_kv(args: argparse.Namespace) -> None:
+    from jaxinfer.kv.calibrate import calibrate_plan
+
+    from jaxinfer.kv.formats import get_format
+
+    formats = tuple(get_format(f.strip()).name for f in args.formats.split(",") if f.strip())
+    if args.probe != "none":
+        get_format(args.probe)
+    if args.budget_kl is None and args.budget_out_err is None:
+        raise ValueError("give --budget-kl and/or --budget-out-err")
+    model = _load(args.model, args.dtype)
+    plan, calib = calibrate_plan(model, args.budget_kl, args.budget_out_err, args.tokens, args.seq_len, args.page_size,
+                                 formats, None if args.probe == "none" else args.probe, args.margin,
+                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    plan.save(args.out)
+    c = model.config
+    bf16 = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+    size = plan.bytes_per_token(c.n_kv_heads, c.head_dim, args.page_size)
+    print(f"plan: {' '.join(plan.formats)}\n{size:.0f} bytes/token ({size / bf16:.3f} of a bf16 cache), "
+          f"calibration KL {plan.calibration_kl:.5f}; wrote {args.out}", file=sys.stderr)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from jaxinfer.engine import EngineConfig
+    from jaxinfer.server import build_server, serve
+
+    model = _load(args.model, args.dtype)
+    config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
+                          prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
+                          max_model_len=min(args.max_model_len, model.config.max_position))
+    name = args.served_model_name or args.model or "default"
+    print("compiling ...", file=sys.stderr, flush=True)
+    server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue)
+    serve(server, args.host, args.port, grace_s=args.grace_period)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxinfer.checkpoint import CheckpointError
     from jaxinfer.default_model import ModelFetchError
 
     try:
-        {"generate": cmd_generate, "convert": cmd_convert}[args.command](args)
+        {"generate": cmd_generate, "convert": cmd_convert, "calibrate-kv": cmd_calibrate_kv, "serve": cmd_serve}[args.command](args)
     except (ValueError, OSError, CheckpointError, ModelFetchError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 
@@ -23,12 +23,48 @@ class Llama3RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V2/V3 multi-head latent attention sizes (HF field names without `_head_dim`).
+
+    Per token the cache holds `kv_lora_rank + qk_rope_dim` numbers per layer (the
+    normalised latent `c_kv` and one RoPE key shared by all heads), not per-head K/V.
+    `q_lora_rank=None` projects queries directly (DeepSeek-V2-Lite).
+    """
+
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MLAConfig.{name}={value!r} must be a positive integer")
+        if self.qk_rope_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_dim={self.qk_rope_dim} must be even for RoPE")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise ValueError(f"MLAConfig.q_lora_rank={self.q_lora_rank!r} must be None or a positive integer")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a Llama-family decoder.
 
     `head_dim` is explicit because some models (e.g. Qwen3, Gemma) do not use
     `d_model // n_heads`. Query heads must be a multiple of KV heads: MHA has
     `n_kv_heads == n_heads`, MQA has `n_kv_heads == 1`, GQA anything between.
+
+    `layer_windows` is empty (every layer attends to its whole context) or holds one entry
+    per layer: `None` for a global layer, `w` for a sliding-window layer whose query at
+    position i sees keys i - w < j <= i (Mistral: all `w`; Gemma 2/3, Qwen2 `layer_types`:
+    interleaved). `mla` switches attention to DeepSeek multi-head latent attention; then
+    `n_kv_heads == n_heads` and `head_dim == mla.qk_head_dim`.
     """
 
     arch: str
@@ -48,6 +84,8 @@ class ModelConfig:
     dtype: str = "float32"  # activation and weight dtype inside the forward
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    layer_windows: tuple[int | None, ...] = ()
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -67,6 +105,34 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        self._check_windows()
+        self._check_mla()
+
+    def _check_windows(self) -> None:
+        windows = tuple(None if w is None else int(w) for w in self.layer_windows)
+        object.__setattr__(self, "layer_windows", windows)
+        if windows and len(windows) != self.n_layers:
+            raise ValueError(f"layer_windows has {len(windows)} entries, expected n_layers={self.n_layers} (or none)")
+        bad = [w for w in windows if w is not None and w <= 0]
+        if bad:
+            raise ValueError(f"layer_windows={windows} must hold None or positive window sizes")
+
+    def _check_mla(self) -> None:
+        if self.mla is None:
+            if self.arch == "deepseek_v3":
+                raise ValueError("arch='deepseek_v3' needs an MLAConfig (mla=...)")
+            return
+        if self.n_kv_heads != self.n_heads or self.head_dim != self.mla.qk_head_dim:
+            raise ValueError(
+                f"with MLA, n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads} and "
+                f"head_dim={self.head_dim} must equal qk_nope_dim + qk_rope_dim = {self.mla.qk_head_dim}"
+            )
+        if self.layer_windows or self.attn_bias:
+            raise ValueError("MLA layers with sliding windows or attention biases are not supported")
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window size of layer `layer` (None: the layer sees its whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def q_per_kv(self) -> int:
@@ -89,4 +155,7 @@ class ModelConfig:
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = Llama3RopeScaling(**fields["rope_scaling"])
         fields["eos_ids"] = tuple(fields.get("eos_ids", ()))
+        fields["layer_windows"] = tuple(fields.get("layer_windows", ()))
+        if fields.get("mla") is not None:
+            fields["mla"] = MLAConfig(**fields["mla"])
         return cls(**fields)

@@ -21,7 +21,7 @@ import numpy as np
 import safetensors
 
 from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
-from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, ModelConfig
+from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, MLAConfig, ModelConfig
 from jaxinfer.model.params import ModelParams, build_params
 
 # HF `architectures[0]` -> our `ModelConfig.arch`.
@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -46,6 +47,13 @@ _LAYER_TENSORS = {  # LayerParams field -> name inside `model.layers.{i}.`
     "bq": "self_attn.q_proj.bias",
     "bk": "self_attn.k_proj.bias",
     "bv": "self_attn.v_proj.bias",
+    # DeepSeek-V3 multi-head latent attention (MLALayerParams)
+    "wq_a": "self_attn.q_a_proj.weight",
+    "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "wq_b": "self_attn.q_b_proj.weight",
+    "wkv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "wkv_b": "self_attn.kv_b_proj.weight",
 }
 _GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
@@ -61,9 +69,10 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelC
     """Read `config.json` and `model.safetensors` (or the shards listed in
     `model.safetensors.index.json`) from an HF model directory; weights come back in `dtype`.
 
-    Supports LlamaForCausalLM, MistralForCausalLM (its `sliding_window` is ignored: every
-    layer attends to the full context) and Qwen2ForCausalLM. Raises `CheckpointError` naming
-    the file and the field or tensor for anything it cannot load.
+    Supports LlamaForCausalLM, MistralForCausalLM (with its `sliding_window`),
+    Qwen2ForCausalLM (with `layer_types` / `use_sliding_window`) and DeepseekV3ForCausalLM
+    with dense MLP layers only (`first_k_dense_replace >= num_hidden_layers`). Raises
+    `CheckpointError` naming the file and the field or tensor for anything it cannot load.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {SUPPORTED_DTYPES}")
@@ -87,7 +96,7 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelC
                 stored_shape = tuple(handles[file].get_slice(tensor_name).get_shape())
                 if stored_shape != shape:
                     raise CheckpointError(f"{file}: tensor {tensor_name!r} has shape {stored_shape}, expected {shape}")
-                return handles[file].get_tensor(tensor_name)
+                return _deinterleave_rope(config, hf, name, handles[file].get_tensor(tensor_name))
             except safetensors.SafetensorError as error:
                 raise CheckpointError(f"{file}: tensor {tensor_name!r}: {error}") from error
 
@@ -113,6 +122,7 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
     _reject_unsupported(hf, arch, file)
     n_heads = int(field("num_attention_heads"))
     rope = _rope_dict(hf)
+    mla = _mla_config(hf, file) if arch == "deepseek_v3" else None
     with as_checkpoint_error(file):
         return ModelConfig(
             arch=arch,
@@ -120,8 +130,8 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             d_model=int(field("hidden_size")),
             n_layers=int(field("num_hidden_layers")),
             n_heads=n_heads,
-            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-            head_dim=int(hf.get("head_dim") or field("hidden_size") // n_heads),
+            n_kv_heads=n_heads if mla else int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=mla.qk_head_dim if mla else int(hf.get("head_dim") or field("hidden_size") // n_heads),
             ffn_dim=int(field("intermediate_size")),
             rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=_rope_scaling(rope, file),
@@ -131,7 +141,57 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             attn_bias=arch == "qwen2",
             bos_id=hf.get("bos_token_id"),
             eos_ids=_as_ids(hf.get("eos_token_id")),
+            layer_windows=_layer_windows(hf, arch, int(field("num_hidden_layers")), file),
+            mla=mla,
         )
+
+
+def _layer_windows(hf: dict[str, Any], arch: str, n_layers: int, file: Path) -> tuple[int | None, ...]:
+    """Per-layer sliding windows: Mistral windows every layer by `sliding_window`; Qwen2 (and
+    any config with `layer_types`) windows the layers typed "sliding_attention"."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if arch == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None  # Qwen2 ignores sliding_window unless use_sliding_window (HF Qwen2Config)
+    if types is None:
+        return (int(window),) * n_layers if window and arch == "mistral" else ()
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != n_layers:
+        raise CheckpointError(f"{file}: unsupported config field layer_types={types!r} "
+                              f"(need {n_layers} of 'full_attention' / 'sliding_attention')")
+    windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
+
+
+def _mla_config(hf: dict[str, Any], file: Path) -> MLAConfig:
+    """DeepSeek-V3 attention sizes; MoE layers and YaRN-scaled attention are rejected."""
+    n_layers = int(hf.get("num_hidden_layers") or 0)
+    if hf.get("n_routed_experts") and int(hf.get("first_k_dense_replace") or 0) < n_layers:
+        raise CheckpointError(f"{file}: mixture-of-experts layers are not supported (need "
+                              f"first_k_dense_replace={hf.get('first_k_dense_replace')} >= num_hidden_layers={n_layers})")
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if hf.get(key) is None:
+            raise CheckpointError(f"{file}: missing config field {key!r}")
+    with as_checkpoint_error(file):
+        return MLAConfig(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_dim=int(hf["qk_nope_head_dim"]),
+                         qk_rope_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+                         q_lora_rank=None if hf.get("q_lora_rank") is None else int(hf["q_lora_rank"]))
+
+
+def _deinterleave_rope(config: ModelConfig, hf: dict[str, Any], name: str, tensor):
+    """DeepSeek's `rope_interleave` pairs rope channels (0, 1), (2, 3), ...; reorder the rows
+    that produce rope channels to (0, 2, 4, ..., 1, 3, 5, ...) so the rotate-half RoPE of
+    `apply_rope` gives the same dot products (HF `apply_rotary_pos_emb_interleave`)."""
+    field = name.rsplit(".", 1)[-1]
+    if config.mla is None or not hf.get("rope_interleave", True) or field not in ("wq", "wq_b", "wkv_a"):
+        return tensor
+    m = config.mla
+    order = np.concatenate([np.arange(0, m.qk_rope_dim, 2), np.arange(1, m.qk_rope_dim, 2)])
+    if field == "wkv_a":
+        return np.concatenate([np.asarray(tensor[: m.kv_lora_rank]), np.asarray(tensor[m.kv_lora_rank :])[order]])
+    heads = np.asarray(tensor).reshape(config.n_heads, m.qk_head_dim, -1)
+    rope = heads[:, m.qk_nope_dim :][:, order]
+    return np.concatenate([heads[:, : m.qk_nope_dim], rope], axis=1).reshape(tensor.shape)
 
 
 def _reject_unsupported(hf: dict[str, Any], arch: str, file: Path) -> None:

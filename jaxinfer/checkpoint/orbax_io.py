@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.params import LayerParams, ModelParams, expected_shapes
+from jaxinfer.model.params import ModelParams, expected_shapes, layer_class
 from jaxinfer.tokenizer import Tokenizer
 
 MARKER_FILE = "jaxinfer_checkpoint.json"
@@ -131,7 +131,7 @@ def abstract_params(config: ModelConfig, shardings: Any = None) -> ModelParams:
     tree = ModelParams(
         embed=leaf(vd),
         layers=tuple(
-            LayerParams(**{f: leaf(s) for f, s in layer_shapes.items()}) for _ in range(config.n_layers)
+            layer_class(config)(**{f: leaf(s) for f, s in layer_shapes.items()}) for _ in range(config.n_layers)
         ),
         final_norm=leaf((config.d_model,)),
         lm_head=None if config.tie_embeddings else leaf(vd),

@@ -1,6 +1,7 @@
 """Paged KV cache: device-side state and host-side page bookkeeping."""
 
 from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator
+from jaxinfer.kv.formats import FORMAT_NAMES, QUANTIZED_FORMATS
 from jaxinfer.kv.paged_state import (
     NULL_PAGE,
     KVCacheSpec,
@@ -9,9 +10,13 @@ from jaxinfer.kv.paged_state import (
     block_table_array,
     init_paged_kv,
 )
+from jaxinfer.kv.plan import KVCachePlan
 
 __all__ = [
+    "FORMAT_NAMES",
     "NULL_PAGE",
+    "QUANTIZED_FORMATS",
+    "KVCachePlan",
     "KVCacheSpec",
     "LayerKV",
     "OutOfPagesError",

@@ -14,6 +14,7 @@ at it, and every read of it is masked because it lies beyond the sequence length
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,11 @@ import numpy as np
 from flax import struct
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.formats import get_format
+from jaxinfer.kv.plan import KVCacheArg, resolve_kv_cache
+
+if TYPE_CHECKING:
+    from jaxinfer.kv.streaming import StreamingSpec
 
 NULL_PAGE = 0  # reserved physical page; block-table entries with no page point here
 
@@ -70,8 +76,13 @@ class LayerKV:
         """Scatter this step's k, v: [B, T, Hkv, Dh] to the slots named by `idx`."""
         return LayerKV(k=scatter_tokens(self.k, k, idx), v=scatter_tokens(self.v, v, idx))
 
-    def gather(self, block_tables: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Each sequence's pages in logical order: two [B, max_pages * page_size, Hkv, Dh]."""
+    def gather(self, block_tables: jax.Array, lengths: jax.Array | None = None,
+               slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Each sequence's pages in logical order: two [B, max_pages * page_size, Hkv, Dh].
+
+        `lengths` (i32[B]) and `slots` (i32[B]) are unused here; formats that keep the page
+        being filled outside the pool (`jaxinfer.kv.quantized.KiviLayerKV`) need them.
+        """
         return gather_pages(self.k, block_tables), gather_pages(self.v, block_tables)
 
 
@@ -80,14 +91,17 @@ class PagedKVState:
     layers: tuple[LayerKV, ...]  # one per model layer
     block_tables: jax.Array  # i32[max_slots, max_pages_per_seq]
     lengths: jax.Array  # i32[max_slots]: tokens already cached per slot
+    # Static: None = logical block tables; a StreamingSpec = each slot is a bounded
+    # StreamingLLM ring of sinks + recent tokens (`jaxinfer.kv.streaming`).
+    streaming: StreamingSpec | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_pages(self) -> int:
-        return self.layers[0].k.shape[0]
+        return jax.tree.leaves(self.layers[0])[0].shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.layers[0].k.shape[1]
+        return jax.tree.leaves(self.layers[0])[0].shape[1]
 
     @property
     def max_slots(self) -> int:
@@ -98,15 +112,48 @@ class PagedKVState:
         return self.block_tables.shape[1]
 
 
-def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None) -> PagedKVState:
-    """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0."""
+def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
+                  streaming: StreamingSpec | None = None, kv_cache: KVCacheArg = "auto") -> PagedKVState:
+    """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0.
+
+    MLA models (`config.mla`) get `LatentKV` layers. `streaming` makes every slot a
+    bounded sink + recent-token ring (its block table needs `streaming.pages_for(page_size)`
+    pages). `kv_cache` picks the storage format: "auto" (`dtype`, full precision), a
+    format name for every layer ("bf16", "int8", "fp8_e4m3", "int4", ...; see
+    `jaxinfer.kv.formats`), a `KVCachePlan` or the path of a plan's JSON file.
+    """
     dtype = jnp.dtype(dtype or config.dtype)
+    if kv_cache != "auto" and (config.mla is not None or streaming is not None):
+        _check_kv_cache_with(kv_cache, config, streaming)
     shape = (spec.num_pages, spec.page_size, config.n_kv_heads, config.head_dim)
+    if config.mla is not None:
+        from jaxinfer.kv.latent import LatentKV  # latent.py builds on this module
+
+        if streaming is not None:
+            raise ValueError("a streaming cache is not supported for MLA models")
+        layers = tuple(LatentKV.zeros(config.mla, spec, dtype) for _ in range(config.n_layers))
+    elif kv_cache == "auto":
+        layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(config.n_layers))
+    else:
+        from jaxinfer.kv.quantized import make_layer_kv  # quantized.py builds on this module
+
+        formats = resolve_kv_cache(kv_cache, config.n_layers, dtype.name)
+        layers = tuple(make_layer_kv(f, spec, config.n_kv_heads, config.head_dim, dtype) for f in formats)
     return PagedKVState(
-        layers=tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(config.n_layers)),
+        layers=layers,
         block_tables=jnp.full((spec.max_slots, spec.max_pages_per_seq), NULL_PAGE, jnp.int32),
         lengths=jnp.zeros((spec.max_slots,), jnp.int32),
+        streaming=streaming,
     )
+
+
+def _check_kv_cache_with(kv_cache: KVCacheArg, config: ModelConfig, streaming: StreamingSpec | None) -> None:
+    """Quantized formats need per-head K/V in logical pages: not MLA, and no KIVI in a ring."""
+    if config.mla is not None:
+        raise ValueError(f"kv_cache={kv_cache!r}: MLA models support only kv_cache='auto'")
+    kivi = [f for f in resolve_kv_cache(kv_cache, config.n_layers, "float32") if get_format(f).has_tail]
+    if kivi:
+        raise ValueError(f"kv_cache={kv_cache!r}: the {kivi[0]!r} format cannot be used with a streaming cache")
 
 
 def block_table_array(pages_per_slot: list[list[int]], max_pages_per_seq: int) -> np.ndarray:

@@ -34,16 +34,47 @@ class LayerParams:
 
 
 @struct.dataclass
+class MLALayerParams:
+    """A DeepSeek-V2/V3 layer: multi-head latent attention + a dense SwiGLU MLP.
+
+    H = n_heads, r = kv_lora_rank, dn/dr = qk_nope/qk_rope dims, dv = v_head_dim. Rows of
+    each head's q rope part and of the k rope part are in rotate-half order (the loader
+    un-interleaves DeepSeek's `rope_interleave` layout).
+    """
+
+    attn_norm: jax.Array  # [d_model]
+    wkv_a: jax.Array  # [r + dr, d_model]: latent, then the shared rope key
+    kv_a_norm: jax.Array  # [r]
+    wkv_b: jax.Array  # [H * (dn + dv), r]: per head, k_nope rows then v rows
+    wo: jax.Array  # [d_model, H * dv]
+    mlp_norm: jax.Array  # [d_model]
+    w_gate: jax.Array  # [ffn_dim, d_model]
+    w_up: jax.Array  # [ffn_dim, d_model]
+    w_down: jax.Array  # [d_model, ffn_dim]
+    wq: jax.Array | None = None  # [H * (dn + dr), d_model]            (q_lora_rank None)
+    wq_a: jax.Array | None = None  # [q_lora_rank, d_model]            (q_lora_rank set)
+    q_a_norm: jax.Array | None = None  # [q_lora_rank]
+    wq_b: jax.Array | None = None  # [H * (dn + dr), q_lora_rank]
+
+
+def layer_class(config: ModelConfig) -> type:
+    """The per-layer params pytree class `build_params` makes for `config`."""
+    return LayerParams if config.mla is None else MLALayerParams
+
+
+@struct.dataclass
 class ModelParams:
     embed: jax.Array  # [vocab_size, d_model]
-    layers: tuple[LayerParams, ...]
+    layers: tuple[LayerParams | MLALayerParams, ...]
     final_norm: jax.Array  # [d_model]
     lm_head: jax.Array | None = None  # [vocab_size, d_model]; None when tied to `embed`
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of every per-layer tensor (keys are `LayerParams` field names)."""
+    """Shape of every per-layer tensor (keys are `layer_class(config)` field names)."""
     c = config
+    if c.mla is not None:
+        return _mla_shapes(c)
     shapes = {
         "attn_norm": (c.d_model,),
         "wq": (c.n_heads * c.head_dim, c.d_model),
@@ -64,6 +95,25 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    m, h = c.mla, c.n_heads
+    shapes = {
+        "attn_norm": (c.d_model,),
+        "wkv_a": (m.kv_lora_rank + m.qk_rope_dim, c.d_model),
+        "kv_a_norm": (m.kv_lora_rank,),
+        "wkv_b": (h * (m.qk_nope_dim + m.v_head_dim), m.kv_lora_rank),
+        "wo": (c.d_model, h * m.v_head_dim),
+        "mlp_norm": (c.d_model,),
+        "w_gate": (c.ffn_dim, c.d_model),
+        "w_up": (c.ffn_dim, c.d_model),
+        "w_down": (c.d_model, c.ffn_dim),
+    }
+    if m.q_lora_rank is None:
+        return shapes | {"wq": (h * m.qk_head_dim, c.d_model)}
+    return shapes | {"wq_a": (m.q_lora_rank, c.d_model), "q_a_norm": (m.q_lora_rank,),
+                     "wq_b": (h * m.qk_head_dim, m.q_lora_rank)}
+
+
 def build_params(config: ModelConfig, get, *, dtype=None) -> ModelParams:
     """Assemble `ModelParams` from a lookup `get(name, shape) -> np.ndarray`.
 
@@ -80,8 +130,9 @@ def build_params(config: ModelConfig, get, *, dtype=None) -> ModelParams:
         return jnp.asarray(array, dtype=dtype)
 
     layer_shapes = expected_shapes(config)
+    cls = layer_class(config)
     layers = tuple(
-        LayerParams(**{f: fetch(f"layers.{i}.{f}", s) for f, s in layer_shapes.items()})
+        cls(**{f: fetch(f"layers.{i}.{f}", s) for f, s in layer_shapes.items()})
         for i in range(config.n_layers)
     )
     vd = (config.vocab_size, config.d_model)

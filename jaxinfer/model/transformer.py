@@ -18,9 +18,12 @@ from flax import struct
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState, WriteIndices, write_indices
-from jaxinfer.model.attention import paged_attention_reference
+from jaxinfer.kv.streaming import streaming_write_indices
+from jaxinfer.model.attention import streaming_attention_reference
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
-from jaxinfer.model.params import LayerParams, ModelParams
+from jaxinfer.model.mla import mla_attention
+from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams
+from pallas_kernels.dispatch import paged_attention
 
 
 @struct.dataclass
@@ -50,30 +53,57 @@ def _flat(parts: list[jax.Array]) -> jax.Array:
 
 def attention_block(
     config: ModelConfig,
-    layer: LayerParams,
+    layer: LayerParams | MLALayerParams,
     layer_index: int,
     x: jax.Array,  # [N, D]: every group's tokens, flattened, already normed
     groups: tuple[TokenGroup, ...],
     idxs: list[WriteIndices],
     inv_freq: jax.Array,  # f32[Dh/2]
     kv: PagedKVState,
+    attention_impl: str = "reference",  # "auto" | "reference" | "pallas" (pallas_kernels.dispatch)
 ) -> tuple[jax.Array, PagedKVState]:
     """Project, rotate, write every group's K/V into the pages, attend per group."""
     c = config
+    if c.mla is not None:
+        outs, layer_kv = mla_attention(c, layer, _split(x, groups), [g.positions for g in groups], idxs,
+                                       inv_freq, kv.layers[layer_index])
+        return linear(_flat(outs), layer.wo), _replace_layer(kv, layer_index, layer_kv)
     qs = _split(linear(x, layer.wq, layer.bq).reshape(-1, c.n_heads, c.head_dim), groups)
     ks = _split(linear(x, layer.wk, layer.bk).reshape(-1, c.n_kv_heads, c.head_dim), groups)
     vs = _split(linear(x, layer.wv, layer.bv).reshape(-1, c.n_kv_heads, c.head_dim), groups)
+    if kv.streaming is not None:
+        outs, layer_kv = _streaming_attention(c, layer_index, qs, ks, vs, idxs, inv_freq, kv)
+        return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
     qs = [apply_rope(q, g.positions, inv_freq) for q, g in zip(qs, groups)]
     layer_kv = kv.layers[layer_index]
     for g, k, v, idx in zip(groups, ks, vs, idxs):  # all writes first: groups are distinct slots
         layer_kv = layer_kv.write(apply_rope(k, g.positions, inv_freq), v, idx)
     outs = [
-        paged_attention_reference(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
-                                  scale=1.0 / math.sqrt(c.head_dim))
+        paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
+                        scale=1.0 / math.sqrt(c.head_dim), window=c.window(layer_index), slots=idx.slots,
+                        impl=attention_impl)
         for q, idx in zip(qs, idxs)
     ]
-    layers = kv.layers[:layer_index] + (layer_kv,) + kv.layers[layer_index + 1 :]
-    return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), dataclasses.replace(kv, layers=layers)
+    return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
+
+
+def _streaming_attention(c: ModelConfig, layer_index: int, qs, ks, vs, idxs, inv_freq, kv: PagedKVState):
+    """Bounded sink + ring cache: attend over the ring as it was plus this step's own
+    (un-rotated) keys, then write them; token positions are assigned inside the cache."""
+    layer_kv = kv.layers[layer_index]
+    outs = [
+        streaming_attention_reference(q, k, v, layer_kv, idx.block_tables, idx.cache_index[:, 0],
+                                      idx.new_lengths - idx.cache_index[:, 0], kv.streaming, inv_freq,
+                                      1.0 / math.sqrt(c.head_dim), window=c.window(layer_index))
+        for q, k, v, idx in zip(qs, ks, vs, idxs)
+    ]
+    for k, v, idx in zip(ks, vs, idxs):
+        layer_kv = layer_kv.write(k, v, idx)
+    return outs, layer_kv
+
+
+def _replace_layer(kv: PagedKVState, index: int, layer_kv) -> PagedKVState:
+    return dataclasses.replace(kv, layers=kv.layers[:index] + (layer_kv,) + kv.layers[index + 1 :])
 
 
 def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
@@ -83,7 +113,8 @@ def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
 
 
 def forward_groups(
-    params: ModelParams, config: ModelConfig, kv: PagedKVState, groups: tuple[TokenGroup, ...]
+    params: ModelParams, config: ModelConfig, kv: PagedKVState, groups: tuple[TokenGroup, ...],
+    attention_impl: str = "reference",
 ) -> tuple[tuple[jax.Array, ...], PagedKVState]:
     """Evaluate several token groups in one pass -> (logits per group, updated cache).
 
@@ -91,12 +122,20 @@ def forward_groups(
     positions `kv.lengths[slot] ...`) and attends causally over everything that slot has
     cached. Logits per group are f32[B, T, V], or f32[B, V] when `logits_index` is given.
     A row with `num_new[b] == 0` writes nothing and leaves its slot untouched.
+    With `kv.streaming`, slots are bounded sink + recent rings and the RoPE positions are
+    assigned inside the cache (`positions` is not used). `attention_impl` picks the paged
+    attention: the jnp reference, the Pallas kernels, or "auto" (`pallas_kernels.dispatch`).
     """
-    idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    if kv.streaming is None:
+        idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
+    else:
+        idxs = [streaming_write_indices(kv, kv.streaming, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
+    rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_dim
+    inv_freq = rope_inv_freq(rope_dim, config.rope_theta, config.rope_scaling)
     x = _flat([params.embed[g.tokens] for g in groups]).astype(config.jnp_dtype)  # [N, D]
     for i, layer in enumerate(params.layers):  # unrolled: faster than scan on XLA:CPU
-        h, kv = attention_block(config, layer, i, rms_norm(x, layer.attn_norm, config.rms_eps), groups, idxs, inv_freq, kv)
+        h, kv = attention_block(config, layer, i, rms_norm(x, layer.attn_norm, config.rms_eps), groups, idxs, inv_freq, kv,
+                                attention_impl)
         x = x + h
         x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
     x = rms_norm(x, params.final_norm, config.rms_eps)
@@ -112,7 +151,7 @@ def forward_groups(
     return tuple(logits), dataclasses.replace(kv, lengths=lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("config", "attention_impl"), donate_argnames=("kv",))
 def forward(
     params: ModelParams,
     config: ModelConfig,
@@ -121,6 +160,7 @@ def forward(
     kv: PagedKVState,
     num_new: jax.Array | None = None,  # i32[B]: valid tokens per row (rest is padding)
     logits_index: jax.Array | None = None,  # i32[B]: compute logits only at this position
+    attention_impl: str = "reference",  # static: "auto" | "reference" | "pallas"
 ) -> tuple[jax.Array, PagedKVState]:
     """One group whose row b is slot b: `forward_groups` for the common case; donates `kv`.
 
@@ -133,5 +173,5 @@ def forward(
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     group = TokenGroup(tokens, positions, jnp.arange(b, dtype=jnp.int32), num_new, logits_index)
-    (logits,), kv = forward_groups(params, config, kv, (group,))
+    (logits,), kv = forward_groups(params, config, kv, (group,), attention_impl)
     return logits, kv

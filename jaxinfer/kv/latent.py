@@ -1,0 +1,37 @@
+"""The MLA latent cache: per token one normalised latent `c_kv` and one shared RoPE key.
+
+DeepSeek-V2/V3 multi-head latent attention caches `kv_lora_rank + qk_rope_dim` numbers
+per token and layer instead of per-head keys and values (576 vs 40960 for DeepSeek-V3).
+`LatentKV` plays the role `LayerKV` plays for MHA/GQA: `write` scatters this step's
+tokens into the pages, `gather` reads each sequence's pages in logical order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import MLAConfig
+from jaxinfer.kv.paged_state import KVCacheSpec, WriteIndices, gather_pages, scatter_tokens
+
+
+@struct.dataclass
+class LatentKV:
+    c_kv: jax.Array  # [num_pages, page_size, kv_lora_rank]: kv_a_layernorm(latent), shared by all heads
+    k_rope: jax.Array  # [num_pages, page_size, qk_rope_dim]: rotated RoPE key, shared by all heads
+
+    @classmethod
+    def zeros(cls, mla: MLAConfig, spec: KVCacheSpec, dtype) -> LatentKV:
+        pages = (spec.num_pages, spec.page_size)
+        return cls(c_kv=jnp.zeros((*pages, mla.kv_lora_rank), dtype), k_rope=jnp.zeros((*pages, mla.qk_rope_dim), dtype))
+
+    def write(self, c_kv: jax.Array, k_rope: jax.Array, idx: WriteIndices) -> LatentKV:
+        """Scatter this step's c_kv: [B, T, r] and k_rope: [B, T, dr] to the slots named by `idx`."""
+        return LatentKV(c_kv=scatter_tokens(self.c_kv, c_kv, idx), k_rope=scatter_tokens(self.k_rope, k_rope, idx))
+
+    def gather(self, block_tables: jax.Array, lengths: jax.Array | None = None,
+               slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Each sequence's pages in logical order: [B, S, r] and [B, S, dr] (`lengths` and
+        `slots` are unused; they keep the `LayerKV.gather` signature)."""
+        return gather_pages(self.c_kv, block_tables), gather_pages(self.k_rope, block_tables)

@@ -1,0 +1,106 @@
+"""Request bodies of the OpenAI API subset we serve, and the OpenAI error shape.
+
+Unknown fields are ignored (clients send many optional ones); known fields are typed so a
+wrongly typed value is a 400 naming the field. Range checks live in `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxinfer.sampling import SamplingParams
+
+
+class ErrorBody(Exception):
+    """An error the server answers with `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.err_type, self.headers = err_type, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extra; -1 also means off (vLLM's convention)
+    min_p: float = 0.0  # extra
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extra
+    ignore_eos: bool = False  # extra
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None  # extra; defaults to `user`: tenants never share prefix pages
+    logprobs: Any = None
+
+    def sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
+        """One SamplingParams per choice (choice i of a seeded request uses seed + i)."""
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        base = dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
+                    min_p=self.min_p, max_tokens=max_tokens, stop=tuple(stop),
+                    stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+        seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**32 for i in range(self.n)]
+        return [SamplingParams(seed=s, **base) for s in seeds]
+
+    @property
+    def salt(self) -> str | None:
+        return self.cache_salt if self.cache_salt is not None else self.user
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,34 @@
+"""Wiring: model + engine config -> `OpenAIServer` -> uvicorn on a host and port."""
+
+from __future__ import annotations
+
+import sys
+
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.loading import Model
+from jaxinfer.server.app import OpenAIServer, create_app
+from jaxinfer.server.loop import EngineLoop
+
+
+def build_server(model: Model, engine_config: EngineConfig, model_name: str, api_key: str | None = None,
+                 max_queue: int = 256, warmup: bool = True) -> OpenAIServer:
+    """An engine (compiled up front with `warmup`) behind an `OpenAIServer`. At most
+    `max_slots + max_queue` requests are outstanding; more are answered 429."""
+    if max_queue < 0:
+        raise ValueError(f"{max_queue=} must be >= 0")
+    engine = Engine(model, engine_config)
+    if warmup:
+        engine.warmup()
+    return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key)
+
+
+def serve(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,
+          log_level: str = "info") -> None:
+    """Run until SIGINT/SIGTERM: then stop accepting, give in-flight requests `grace_s`
+    seconds to finish, abort the rest (their pages return to the pool) and return."""
+    import uvicorn
+
+    config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=grace_s)
+    print(f"serving {server.model_name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    uvicorn.Server(config).run()

@@ -1,0 +1,300 @@
+"""Meshes and shardings: tensor parallelism on `model`, data parallelism on `data`.
+
+Everything here is plain `jax.sharding` (a `Mesh` with axes ``("data", "model")`` and
+`NamedSharding`s); the partitioning itself is XLA's (GSPMD): the engine's one jitted step
+runs unchanged, with its inputs placed as below and explicit output shardings.
+
+    mesh = make_mesh("data=2,model=4")            # 8 devices
+    engine = Engine(model, EngineConfig(mesh=mesh))
+
+Layout on a ``data=D, model=M`` mesh (weights are ``[out, in]``)::
+
+    wq, bq        [H*Dh, d]    rows split on model    (H % M == 0 is required)
+    wk, wv, bk... [Hkv*Dh, d]  rows split on model    when Hkv % M == 0, else replicated
+    wo            [d, H*Dh]    columns split on model
+    w_gate, w_up  [ffn, d]     rows split on model    (ffn % M == 0 is required)
+    w_down        [d, ffn]     columns split on model
+    embed/lm_head [V, d]       rows (vocab) split on model when V % M == 0
+    norms                      replicated
+    KV pages      [P, page, Hkv, Dh]  heads split on model like wk; replicated over data
+    per-slot step inputs [max_slots, ...]  split on data (max_slots % D == 0 is required)
+
+The page pool is replicated over `data`: the host allocator hands any page to any slot,
+so each data replica keeps the whole pool and only this step's new K/V rows cross the
+`data` axis. (A per-replica page range would divide the pool's memory by D; not done.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+
+AXES = ("data", "model")
+_SPEC_ITEM = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*$")
+
+
+# ---- meshes -------------------------------------------------------------------------------
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """"data=2,model=4" -> {"data": 2, "model": 4}; a missing axis has size 1.
+
+    Raises ValueError naming the bad item or axis (only "data" and "model" exist).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"mesh spec {spec!r} must look like 'data=2,model=4'")
+    sizes: dict[str, int] = {}
+    for item in spec.split(","):
+        m = _SPEC_ITEM.match(item)
+        if m is None:
+            raise ValueError(f"mesh spec item {item!r} must look like 'model=4' (in {spec!r})")
+        name, size = m.group(1), int(m.group(2))
+        if name not in AXES:
+            raise ValueError(f"unknown mesh axis {name!r} in {spec!r}: the axes are {AXES}")
+        if name in sizes:
+            raise ValueError(f"mesh axis {name!r} given twice in {spec!r}")
+        if size < 1:
+            raise ValueError(f"mesh axis {name}={size} must be >= 1")
+        sizes[name] = size
+    return {a: sizes.get(a, 1) for a in AXES}
+
+
+def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
+    """A ("data", "model") mesh over `devices` (default: every device of every process).
+
+    The axis sizes must multiply to the number of devices. Axis types are `Auto`, so
+    XLA propagates shardings through the unannotated model code.
+    """
+    sizes = parse_mesh_spec(spec) if isinstance(spec, str) else dict(spec)
+    unknown = set(sizes) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}: the axes are {AXES}")
+    shape = tuple(int(sizes.get(a, 1)) for a in AXES)
+    devices = list(jax.devices() if devices is None else devices)
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh data={shape[0]},model={shape[1]} needs {int(np.prod(shape))} devices, "
+                         f"but {len(devices)} are available")
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    return jax.make_mesh(shape, AXES, auto, devices=devices)
+
+
+def check_mesh(mesh: Mesh, config: ModelConfig, max_slots: int | None = None) -> None:
+    """Raise ValueError unless `config` (and `max_slots` engine slots) fit on `mesh`."""
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh axis names {tuple(mesh.axis_names)} must be {AXES}")
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    if config.n_heads % model:
+        raise ValueError(f"n_heads={config.n_heads} is not divisible by the mesh's model={model} axis "
+                         f"(tensor parallelism splits attention heads)")
+    if config.ffn_dim % model:
+        raise ValueError(f"ffn_dim={config.ffn_dim} is not divisible by the mesh's model={model} axis")
+    if config.mla is not None and model > 1:
+        raise ValueError(f"MLA models support only model=1 meshes for now (got model={model})")
+    if max_slots is not None and max_slots % data:
+        raise ValueError(f"max_slots={max_slots} is not divisible by the mesh's data={data} axis "
+                         f"(data parallelism splits engine slots)")
+
+
+# ---- parameter and cache shardings ----------------------------------------------------------
+
+
+def _kv_heads_split(config: ModelConfig, mesh: Mesh) -> bool:
+    """KV heads are split on `model` when they divide evenly, else replicated."""
+    return config.n_kv_heads % mesh.shape["model"] == 0
+
+
+def _layer_specs(config: ModelConfig, mesh: Mesh) -> dict[str, P]:
+    kv_rows = P("model", None) if _kv_heads_split(config, mesh) else P(None, None)
+    kv_bias = P("model") if _kv_heads_split(config, mesh) else P(None)
+    return {
+        "wq": P("model", None), "bq": P("model"),
+        "wk": kv_rows, "wv": kv_rows, "bk": kv_bias, "bv": kv_bias,
+        "wo": P(None, "model"),
+        "w_gate": P("model", None), "w_up": P("model", None), "w_down": P(None, "model"),
+    }
+
+
+def param_shardings(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
+    """A pytree of `NamedSharding`s matching `params` (a ModelParams or its abstract twin).
+
+    Fields not in the table in this module's docstring (norms, MLA projections) are
+    replicated. Pass the result to `load_orbax(..., shardings=...)` to restore each shard
+    straight onto its devices.
+    """
+    check_mesh(mesh, config)
+    specs = _layer_specs(config, mesh)
+    vocab = P("model", None) if config.vocab_size % mesh.shape["model"] == 0 else P()
+
+    def layer(lp):
+        return type(lp)(**{
+            f: None if getattr(lp, f) is None else NamedSharding(mesh, specs.get(f, P()))
+            for f in lp.__dataclass_fields__
+        })
+
+    return type(params)(
+        embed=NamedSharding(mesh, vocab),
+        layers=tuple(layer(lp) for lp in params.layers),
+        final_norm=NamedSharding(mesh, P()),
+        lm_head=None if params.lm_head is None else NamedSharding(mesh, vocab),
+    )
+
+
+def kv_shardings(kv: Any, config: ModelConfig, mesh: Mesh) -> Any:
+    """Shardings for a `PagedKVState` (any per-layer cache format).
+
+    A cache leaf whose axis 2 is the KV-head axis (`[P, page, Hkv, ...]`, also scales
+    `[P, page, Hkv]`) is split there on `model` when the heads divide; every other leaf,
+    and the host-owned block tables and lengths, is replicated.
+    """
+    split = _kv_heads_split(config, mesh)
+
+    def leaf(a) -> NamedSharding:
+        if split and a.ndim >= 3 and a.shape[2] == config.n_kv_heads:
+            return NamedSharding(mesh, P(None, None, "model"))
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(leaf, kv)
+
+
+def slot_sharding(mesh: Mesh, x: Any) -> NamedSharding:
+    """Per-slot arrays ([max_slots, ...]) split on `data`."""
+    return NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """Place a pytree of host or single-device arrays onto `shardings`.
+
+    Works in multi-process runs too: every process passes the same values and each
+    builds only the shards its own devices hold (`jax.make_array_from_callback`).
+    """
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def shard_params(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
+    return put(params, param_shardings(params, config, mesh))
+
+
+def load_sharded(path: str | os.PathLike | None, mesh: Mesh, dtype: str = "float32") -> Any:
+    """`jaxinfer.loading.load_model` with the params placed on `mesh` -> a `Model`.
+
+    An orbax directory (`jaxinfer convert`) restores every shard straight onto its devices:
+    no full copy on one device first. GGUF/HF files are dequantized on the host as usual,
+    then each device receives only its shard (`put`).
+    """
+    import dataclasses
+    from pathlib import Path
+
+    from jaxinfer import loading
+    from jaxinfer.checkpoint.orbax_io import abstract_params, is_orbax_dir, load_orbax, read_orbax_config
+
+    if path is None or not is_orbax_dir(path):
+        model = loading.load_model(path, dtype=dtype, progress=False)
+        return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh))
+    config = read_orbax_config(Path(path).absolute()).replace(dtype=dtype)
+    config, params = load_orbax(path, dtype, shardings=param_shardings(abstract_params(config), config, mesh))
+    tokenizer = loading._load_tokenizer(Path(path))
+    if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
+        config = config.replace(eos_ids=tokenizer.eos_ids)
+    return loading.Model(config=config, params=params, tokenizer=tokenizer, source=str(path))
+
+
+# ---- the engine's step on a mesh ------------------------------------------------------------
+
+
+def batch_shardings(batch: Any, mesh: Mesh) -> Any:
+    """A `StepBatch`'s shardings: per-slot fields on `data`, the prefill rows replicated."""
+    slot = lambda x: slot_sharding(mesh, x)  # noqa: E731
+    rep = replicated(mesh)
+    return type(batch)(
+        block_tables=slot(batch.block_tables), lengths=slot(batch.lengths),
+        decode_tokens=slot(batch.decode_tokens), decode_active=slot(batch.decode_active),
+        sampling=jax.tree.map(slot, batch.sampling),
+        prefill=None if batch.prefill is None else jax.tree.map(lambda _: rep, batch.prefill),
+    )
+
+
+def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
+                 ) -> tuple[Any, Any, Callable, Callable]:
+    """What `Engine` needs to run on `mesh`: (model with sharded params, sharded cache,
+    the step jitted with explicit output shardings, a function placing a `StepBatch`).
+
+    The step is `step.__wrapped__` (the un-jitted `engine_step`) jitted again: the cache
+    comes back with its input shardings (so donation reuses its buffers and the next step
+    compiles nothing new) and the sampled tokens come back replicated, so every process
+    can read them. Inputs carry their own shardings (`put`).
+    """
+    import dataclasses
+
+    check_mesh(mesh, model.config, max_slots)
+    params = shard_params(model.params, model.config, mesh)
+    kv_sh = kv_shardings(kv, model.config, mesh)
+    fn = jax.jit(step.__wrapped__, static_argnames=("config",), donate_argnames=("kv",),
+                 out_shardings=(kv_sh, replicated(mesh)))
+    return (dataclasses.replace(model, params=params), put(kv, kv_sh), fn,
+            lambda batch: put(batch, batch_shardings(batch, mesh)))
+
+
+# ---- several hosts --------------------------------------------------------------------------
+
+ENV_COORDINATOR = "JAXINFER_COORDINATOR"  # host:port of process 0
+ENV_NUM_PROCESSES = "JAXINFER_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXINFER_PROCESS_ID"
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, local_device_ids: list[int] | None = None,
+                           timeout_s: int | None = None) -> bool:
+    """Call `jax.distributed.initialize` from arguments or the JAXINFER_* environment.
+
+    With no coordinator anywhere, nothing happens (returns False) unless `num_processes`
+    is given: then `jax.distributed.initialize()` auto-detects the cluster (TPU pod slices,
+    SLURM, Open MPI). Must run before anything touches a device. Returns True when called.
+    """
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
+    if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
+        num_processes = int(os.environ[ENV_NUM_PROCESSES])
+    if process_id is None and os.environ.get(ENV_PROCESS_ID):
+        process_id = int(os.environ[ENV_PROCESS_ID])
+    if coordinator is None and num_processes is None:
+        return False
+    if coordinator is not None and (num_processes is None or process_id is None):
+        raise ValueError(f"coordinator={coordinator!r} also needs num_processes and process_id "
+                         f"(got {num_processes=}, {process_id=})")
+    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"{process_id=} must be in [0, {num_processes=})")
+    kwargs: dict[str, Any] = {}
+    if timeout_s is not None:
+        kwargs["initialization_timeout"] = timeout_s
+    if coordinator is None:  # a cluster jax can detect by itself
+        jax.distributed.initialize(**kwargs)
+    else:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, local_device_ids=local_device_ids, **kwargs)
+    return True
+
+
+def describe(tree: Any) -> str:
+    """One line per leaf: name, shape and PartitionSpec (for notebooks and logs)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    lines = []
+    for path, leaf in leaves:
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+        lines.append(f"{jax.tree_util.keystr(path):40s} {str(tuple(leaf.shape)):22s} {spec}")
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""Multi-device checks, run by tests/test_multi_device.py in a subprocess.
+
+    python tests/multi_device_checks.py MODE [DEVICES]
+
+sets XLA_FLAGS for DEVICES (default 8) simulated CPU devices *before* importing jax, runs
+one group of checks and prints one JSON object as its last stdout line. Modes: `meshes`
+(tiny models on (1, 8), (2, 4), (8, 1) + bad meshes), `pmap`, `smollm` (the real model,
+data-parallel), `distributed` (one process of a two-process run; reads JAXINFER_* env).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MODE = sys.argv[1]
+DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxinfer import sharding  # noqa: E402
+from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
+from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv  # noqa: E402
+from jaxinfer.loading import Model  # noqa: E402
+from jaxinfer.model.transformer import forward  # noqa: E402
+from jaxinfer.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3],
+           [5], [6, 7], [8, 9, 10], [11, 40, 41, 42, 43, 44, 45, 46]]
+MESHES = ["data=1,model=8", "data=2,model=4", "data=8,model=1"]
+
+
+def tiny() -> Model:
+    from tiny_models import tiny_model
+
+    config, params = tiny_model(n_heads=8, n_kv_heads=4)
+    return Model(config, params, None)
+
+
+def engine_tokens(model: Model, mesh, prompts=PROMPTS, max_tokens: int = 6, max_len: int = 16) -> list[list[int]]:
+    """Greedy tokens from the engine (one context bucket: 2 programs)."""
+    engine = Engine(model, EngineConfig(max_slots=8, page_size=4, max_model_len=max_len, prefill_chunk=8, mesh=mesh))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    return [list(o.token_ids) for o in outs]
+
+
+def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
+    """f32[len(prompts), V]: logits after each prompt, one `forward` over a sharded cache."""
+    config, width = model.config, max(len(p) for p in prompts)
+    spec = KVCacheSpec.for_batch(len(prompts), width, page_size=4)
+    pps = spec.max_pages_per_seq
+    kv = init_paged_kv(config, spec).replace(block_tables=jnp.asarray(block_table_array(
+        [list(range(1 + b * pps, 1 + (b + 1) * pps)) for b in range(len(prompts))], pps)))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    num_new = np.array([len(p) for p in prompts], np.int32)
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), tokens.shape)
+    args = (tokens, positions, num_new, num_new - 1)
+    if mesh is None:
+        logits, _ = forward(model.params, config, jnp.asarray(tokens), jnp.asarray(positions), kv,
+                            jnp.asarray(num_new), jnp.asarray(num_new - 1))
+        return np.asarray(logits)
+    params = sharding.shard_params(model.params, config, mesh)
+    kv_sh = sharding.kv_shardings(kv, config, mesh)
+    kv = sharding.put(kv, kv_sh)
+    args = [sharding.put(a, sharding.slot_sharding(mesh, a)) for a in args]
+    fn = jax.jit(forward.__wrapped__, static_argnames=("config", "attention_impl"),
+                 out_shardings=(sharding.replicated(mesh), kv_sh))
+    logits, _ = fn(params, config, args[0], args[1], kv, args[2], args[3])
+    return np.asarray(logits)
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_meshes() -> dict:
+    model = tiny()
+    ref_tokens, ref_logits = engine_tokens(model, None), first_logits(model, None)
+    out: dict = {"ref_tokens": ref_tokens, "meshes": {}}
+    for spec in MESHES:
+        mesh = sharding.make_mesh(spec)
+        out["meshes"][spec] = {
+            "tokens": engine_tokens(model, mesh),
+            "max_logit_diff": float(np.abs(first_logits(model, mesh) - ref_logits).max()),
+        }
+    out["orbax"] = check_orbax_restore(model)
+    from tiny_models import tiny_model
+
+    bad_config = tiny_model(n_heads=6, n_kv_heads=2)[0]
+    out["errors"] = {
+        "heads": error_of(lambda: sharding.check_mesh(sharding.make_mesh("data=2,model=4"), bad_config)),
+        "axis_name": error_of(lambda: sharding.make_mesh("batch=2,model=4")),
+        "device_count": error_of(lambda: sharding.make_mesh("data=4,model=4")),
+        "slots": error_of(lambda: Engine(model, EngineConfig(max_slots=6, mesh=sharding.make_mesh("data=8")))),
+        "engine_heads": error_of(lambda: Engine(Model(bad_config, tiny_model(n_heads=6, n_kv_heads=2)[1], None),
+                                                EngineConfig(mesh=sharding.make_mesh("model=8")))),
+    }
+    return out
+
+
+def check_orbax_restore(model: Model) -> dict:
+    """Save the tiny model with orbax, restore it straight into data=2,model=4 shardings."""
+    import tempfile
+
+    from jaxinfer.checkpoint.orbax_io import save_orbax
+
+    mesh = sharding.make_mesh("data=2,model=4")
+    with tempfile.TemporaryDirectory() as tmp:
+        save_orbax(model.config, model.params, f"{tmp}/ckpt")
+        restored = sharding.load_sharded(f"{tmp}/ckpt", mesh)
+    wq = restored.params.layers[0].wq
+    return {"wq_spec": str(wq.sharding.spec), "wq_shard_shape": list(wq.addressable_shards[0].data.shape),
+            "equal": all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                         for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(model.params)))}
+
+
+def check_pmap() -> dict:
+    from jaxinfer.pmap_generate import pmap_generate
+
+    model = tiny()
+    res = pmap_generate(model, PROMPTS[:7], max_tokens=6)  # 7 prompts on 8 devices: one padded
+    return {"ref_tokens": engine_tokens(model, None, PROMPTS[:7]), "tokens": res.tokens,
+            "max_logit_diff": float(np.abs(res.first_logits - first_logits(model, None, PROMPTS[:7])).max())}
+
+
+def check_smollm() -> dict:
+    from jaxinfer.loading import load_model
+
+    model = load_model(progress=False)
+    prompts = [[1, 504, 3458, 314, 253]] + [[1, 40, 1513 + i] for i in range(7)]
+    mesh = sharding.make_mesh("data=8,model=1")
+    ref = first_logits(model, None, prompts)
+    return {"ref_tokens": engine_tokens(model, None, prompts, max_tokens=3, max_len=16),
+            "tokens": engine_tokens(model, mesh, prompts, max_tokens=3, max_len=16),
+            "max_logit_diff": float(np.abs(first_logits(model, mesh, prompts) - ref).max()),
+            "max_abs_logit": float(np.abs(ref).max())}
+
+
+def check_distributed() -> dict:
+    sharding.initialize_distributed(timeout_s=60)
+    model = tiny()
+    mesh = sharding.make_mesh("data=2,model=4")  # spans both processes' devices
+    out = {"process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
+           "tokens": engine_tokens(model, mesh), "logits": first_logits(model, mesh)}
+    if jax.process_index() == 0:  # the single-device reference, on this process's first device
+        out["ref_tokens"] = engine_tokens(model, None)
+        out["max_logit_diff"] = float(np.abs(out["logits"] - first_logits(model, None)).max())
+    del out["logits"]
+    return out
+
+
+if __name__ == "__main__":
+    result = {"meshes": check_meshes, "pmap": check_pmap, "smollm": check_smollm,
+              "distributed": check_distributed}[MODE]()
+    print(json.dumps(result))

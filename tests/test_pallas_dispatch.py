@@ -1,0 +1,85 @@
+"""attention_impl dispatch, and a tiny model end to end with the kernels (interpret mode) vs the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv
+from jaxinfer.kv.paged_state import LayerKV
+from jaxinfer.model import forward
+from pallas_kernels import dispatch
+from tiny_models import random_tokens, tiny_model
+
+SPEC = KVCacheSpec(num_pages=16, page_size=4, max_slots=2, max_pages_per_seq=4)
+PAGES = [[9, 2, 14, 5], [3, 11, 7, 12]]  # scattered on purpose
+
+
+def test_resolve_impl_on_cpu():
+    q, layer = jnp.zeros((1, 1, 4, 16)), LayerKV(jnp.zeros((3, 4, 2, 16)), jnp.zeros((3, 4, 2, 16)))
+    assert jax.default_backend() == "cpu"
+    assert dispatch.resolve_impl("auto", q, layer) == (None, False)  # CPU: the reference
+    assert dispatch.resolve_impl("reference", q, layer) == (None, False)
+    assert dispatch.resolve_impl("pallas", q, layer) == ("gpu", True)  # GPU-style kernels, interpreted
+    assert dispatch.resolve_impl("pallas_tpu", q, layer) == ("tpu", True)
+    with pytest.raises(ValueError, match="attention_impl='triton'"):
+        dispatch.resolve_impl("triton", q, layer)
+    with pytest.raises(ValueError, match="no Pallas attention kernel reads a object cache"):
+        dispatch.resolve_impl("pallas", q, object())
+
+
+def test_compiled_gpu_kernels_refuse_shapes_triton_cannot_take():
+    """auto falls back to the reference for them; pallas says why."""
+    layer = LayerKV(jnp.zeros((3, 4, 2, 8)), jnp.zeros((3, 4, 2, 8)))  # head_dim 8 < 16
+    assert "head_dim" in dispatch.unsupported_reason(jnp.zeros((1, 1, 4, 8)), layer, "gpu", interpret=False)
+    assert dispatch.unsupported_reason(jnp.zeros((1, 1, 4, 8)), layer, "gpu", interpret=True) is None
+
+
+def _greedy(config, params, impl: str, kv_cache: str, steps: int = 6):
+    """Prefill two prompts (7 and 4 tokens: a page multiple), then greedy-decode `steps` tokens."""
+    kv = init_paged_kv(config, SPEC, kv_cache=kv_cache)
+    kv = kv.replace(block_tables=jnp.asarray(block_table_array(PAGES, SPEC.max_pages_per_seq)))
+    prompt_len = jnp.array([7, 4], jnp.int32)
+    tokens = jnp.asarray(random_tokens((2, 7), config.vocab_size, seed=3))
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    logits, kv = forward(params, config, tokens, pos, kv, num_new=prompt_len, logits_index=prompt_len - 1,
+                         attention_impl=impl)
+    out, all_logits = [jnp.argmax(logits, -1)], [logits]
+    for step in range(steps):
+        logits, kv = forward(params, config, out[-1][:, None], (prompt_len + step)[:, None], kv,
+                             logits_index=jnp.zeros(2, jnp.int32), attention_impl=impl)
+        out.append(jnp.argmax(logits, -1))
+        all_logits.append(logits)
+    return np.stack(out, 1), np.stack(all_logits, 1)
+
+
+@pytest.mark.parametrize("kv_cache", ["auto", "int4"])
+def test_tiny_model_greedy_tokens_equal_with_pallas(kv_cache):
+    """f32 tiny model (GQA 4/2): prefill (chunk kernel) + 6 decode steps (decode kernel) crossing
+    pages; "int4" is the KIVI cache, whose current page the kernels read from the slot's tail."""
+    config, params = tiny_model(head_dim=16)
+    ref_tokens, ref_logits = _greedy(config, params, "reference", kv_cache)
+    tokens, logits = _greedy(config, params, "pallas", kv_cache)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-5)
+
+
+def test_gpu_benchmark_without_a_gpu_says_so_and_prints_nulls():
+    script = Path(__file__).parent.parent / "benchmarks" / "kernels_gpu.py"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert "no GPU" in lines[0]
+    summary = json.loads(lines[-1])
+    assert list(summary) == ["copy_gbps", "bf16_frac_of_copy", "int8_frac_of_copy", "int8_speedup_over_bf16",
+                             "int4_speedup_over_bf16", "pallas_over_xla_bf16"]
+    assert all(v is None for v in summary.values())

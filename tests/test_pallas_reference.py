@@ -1,0 +1,101 @@
+"""The kernels' reference and shared pieces, checked by hand and against jaxinfer's reference (no kernels run)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kv.paged_state import LayerKV
+from jaxinfer.model.attention import paged_attention_reference
+from pallas_kernels.common import AttentionOptions, page_schedule
+from pallas_kernels.formats import KernelPages, from_layer_kv
+from pallas_kernels.reference import paged_attention_per_sequence
+from pallas_cases import assert_close, make_case, reference
+
+# One sequence, one head, Dh = 1, page_size 2, q = 1, scale 1; keys at positions 0, 1, 2 hold
+# log 1, log 2, log 3, so exp(score) = 1, 2, 3; values 1, 2, 3. The query sits at position 2.
+#   causal:                     (1*1 + 2*2 + 3*3) / (1 + 2 + 3)        = 14/6
+#   window 2 (keys 1, 2):       (2*2 + 3*3) / (2 + 3)                  = 13/5
+#   window 1 + 1 sink (0, 2):   (1*1 + 3*3) / (1 + 3)                  = 10/4
+#   sink logit log 4:           14 / (6 + 4)                           = 1.4
+#   soft_cap 1: scores tanh(log x) = (x^2 - 1)/(x^2 + 1) = 0, 0.6, 0.8
+#                               (1 + 2e^0.6 + 3e^0.8) / (1 + e^0.6 + e^0.8)
+SOFT = (1 + 2 * math.exp(0.6) + 3 * math.exp(0.8)) / (1 + math.exp(0.6) + math.exp(0.8))
+HAND = [
+    (dict(), 14 / 6),
+    (dict(window=2), 13 / 5),
+    (dict(window=1, num_sinks=1), 10 / 4),
+    (dict(sink_logits=jnp.array([math.log(4.0)])), 1.4),
+    (dict(soft_cap=1.0), SOFT),
+]
+
+
+@pytest.mark.parametrize("options,expected", HAND, ids=["causal", "window", "sinks", "sink_logit", "soft_cap"])
+def test_references_match_hand_computed_values(options, expected):
+    k = jnp.array([0.0, math.log(2.0), math.log(3.0), jnp.nan]).reshape(2, 2, 1, 1)  # position 3: NaN, unowned
+    v = jnp.array([1.0, 2.0, 3.0, jnp.nan]).reshape(2, 2, 1, 1)
+    q, table, lengths, query = jnp.ones((1, 1, 1, 1)), jnp.array([[0, 1]]), jnp.array([3]), jnp.array([[2]])
+    sink = options.pop("sink_logits", None)
+    opts = AttentionOptions(**options)
+    ours = paged_attention_per_sequence(q, KernelPages(k, v), table, lengths, query, 1.0, opts, sink)
+    shared = paged_attention_reference(q, LayerKV(k, v), table, lengths, query, 1.0, sink_logits=sink, **options)
+    np.testing.assert_allclose(float(ours[0, 0, 0, 0]), expected, rtol=1e-6)
+    np.testing.assert_allclose(float(shared[0, 0, 0, 0]), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
+def test_per_sequence_reference_matches_shared_reference(fmt):
+    """Every format (KIVI tails included), every option, a chunk of queries, NaN-poisoned pool."""
+    case = make_case(fmt, "float32", lengths=[3, 4, 9, 13], t=3, seed=1)
+    options = dict(window=4, num_sinks=2, soft_cap=3.0, sink_logits=jnp.array([0.5, -1.0, 0.0, 2.0]))
+    opts = AttentionOptions(options["window"], options["num_sinks"], options["soft_cap"])
+    ours = paged_attention_per_sequence(case.q, from_layer_kv(case.layer), case.block_tables, case.lengths,
+                                        case.query_index, case.scale, opts, options["sink_logits"], case.slots)
+    assert_close(ours, reference(case, **options), "float32")
+
+
+def _pages_needed(length, q_lo, q_hi, page, window, sinks):
+    """Brute force: logical pages holding a key visible to some query in [q_lo, q_hi]."""
+    need = set()
+    for i in range(q_lo, q_hi + 1):
+        for j in range(length):
+            if j <= i and (window is None or j > i - window or j < sinks):
+                need.add(j // page)
+    return need
+
+
+@pytest.mark.parametrize("page,window,sinks", [(2, None, 0), (4, None, 0), (2, 1, 0), (4, 3, 1), (2, 5, 3), (4, 6, 9)])
+def test_page_schedule_reads_exactly_the_pages_with_visible_keys(page, window, sinks):
+    """Pages wholly outside the window (and not sinks) are never in the schedule; nothing needed is missed."""
+    combos = [(n, lo, hi) for n in range(0, 14) for lo in range(-1, 15) for hi in range(lo, min(lo + 4, 15))]
+    n, lo, hi = (jnp.array(c, jnp.int32) for c in zip(*combos))
+    opts = AttentionOptions(window=window, num_sinks=sinks)
+    sched = page_schedule(n, lo, hi, page, opts)
+    count = np.asarray(sched.count)
+    steps = np.asarray(sched.logical_page(jnp.arange(8)[:, None]))  # [steps, combos]
+    for c, (length, q_lo, q_hi) in enumerate(combos):
+        walked = [int(p) for p in steps[: count[c], c]]
+        assert walked == sorted(set(walked)), "pages are walked once each, in order"
+        assert set(walked) == _pages_needed(length, q_lo, q_hi, page, window, sinks), (length, q_lo, q_hi)
+
+
+def test_schedule_docstring_example():
+    sched = page_schedule(23, 22, 22, 4, AttentionOptions(window=6, num_sinks=2))
+    assert int(sched.count) == 3
+    assert [int(sched.logical_page(i)) for i in range(3)] == [0, 4, 5]
+
+
+def test_bad_options_and_formats_raise():
+    with pytest.raises(ValueError, match="window"):
+        AttentionOptions(window=0)
+    with pytest.raises(ValueError, match="num_sinks"):
+        AttentionOptions(num_sinks=-1)
+    with pytest.raises(ValueError, match="format"):
+        KernelPages(jnp.zeros((2, 2, 1, 4)), jnp.zeros((2, 2, 1, 4)), format="int3")
+    with pytest.raises(ValueError, match="k_scale"):
+        KernelPages(jnp.zeros((2, 2, 1, 4), jnp.int8), jnp.zeros((2, 2, 1, 4), jnp.int8), format="int8").validate()
+    with pytest.raises(ValueError, match="no Pallas attention kernel"):
+        from_layer_kv(object())

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible server, over real HTTP on 127.0.0.1, with a tiny random model.
+
+One tiny model (SmolLM2's tokenizer, random weights) saved as an orbax directory and loaded
+by path, like `jaxinfer serve --model DIR` does. Every server here has the same engine
+shapes, so the two step programs are compiled once for the whole file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxinfer.checkpoint import save_orbax
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.loading import load_model
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.server import build_server, create_app
+from jaxinfer.tokenizer import Tokenizer
+from tiny_models import tiny_model
+
+NAME = "tiny"
+KEY = "sk-test"
+T = 120  # seconds an HTTP call may take (the first request compiles; the machine may be busy)
+MAX_LEN = 64
+# page_size 16 at max_model_len 64: 4 pages per sequence, one context bucket, two programs.
+# Wide batches keep the step count (the cost on a busy CPU) low.
+ENGINE = EngineConfig(max_slots=16, page_size=16, prefill_chunk=16, max_prefill_rows=4, max_model_len=MAX_LEN)
+
+
+class ServerThread:
+    """uvicorn serving an `OpenAIServer` in a thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, server):
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = server
+        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=T)
+        self.uvicorn = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True  # what uvicorn's SIGTERM / SIGINT handler does
+        self.thread.join(T)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until nothing is outstanding (the engine loop has applied every abort)."""
+        deadline = time.monotonic() + timeout
+        while self.metric("jaxinfer_requests_outstanding") or self.metric("jaxinfer_requests_running"):
+            assert time.monotonic() < deadline, "requests still outstanding"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf, tmp_path_factory):
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    config, params = tiny_model(vocab_size=tok.vocab_size, eos_ids=tok.eos_ids, max_position=MAX_LEN)
+    path = save_orbax(config, params, tmp_path_factory.mktemp("tiny") / "model", tokenizer=tok)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def srv(model):
+    s = ServerThread(build_server(model, ENGINE, NAME, max_queue=256, warmup=False))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def small(model):
+    """With an API key and no queue beyond the 8 slots."""
+    s = ServerThread(build_server(model, ENGINE, NAME, api_key=KEY, max_queue=0, warmup=False))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=T)
+
+
+def engine_text(model, ids, params) -> str:
+    eng = Engine(model, ENGINE)
+    return eng.generate([ids], params)[0].text
+
+
+def test_health_and_models(srv, client):
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_completion_greedy_equals_engine(srv, client, model):
+    prompt = "The quick brown fox"
+    want = engine_text(model, model.tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    extra = {"ignore_eos": True}
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(model.tokenizer.encode(prompt)), 12)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_greedy_equals_engine(srv, client, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    want = engine_text(model, ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    kw = dict(model=NAME, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 10)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_sse_format(srv):
+    body = {"model": NAME, "prompt": "Hi", "max_tokens": 3, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=T) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_seed_n_stop(client):
+    kw = dict(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=1.0, seed=7, n=2,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: repeats exactly
+    assert [c.index for c in a.choices] == [0, 1] and a.usage.completion_tokens == 20
+    assert a.choices[0].text != a.choices[1].text  # choice i samples with seed + i
+    full = a.choices[0].text
+    stop = full.strip().split()[1]  # a word in the middle of the seeded output
+    cut = client.completions.create(**(kw | {"n": 1, "stop": [stop]}))
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+BAD = [
+    ({"content": b"{not json", "headers": {"content-type": "application/json"}}, None, "/v1/completions"),
+    ({"json": {"prompt": "x"}}, "model", "/v1/completions"),
+    ({"json": {"model": NAME}}, "prompt", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "max_tokens": "many"}}, "max_tokens", "/v1/completions"),
+    ({"json": {"model": "gpt-9", "prompt": "x"}}, "model", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "top_p": 1.5}}, "top_p", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "temperature": -1}}, "temperature", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "max_tokens": 0}}, "max_tokens", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "n": 0}}, "n", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "word " * MAX_LEN}}, "prompt", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "max_tokens": MAX_LEN}}, "max_tokens", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": [10**6]}}, "prompt", "/v1/completions"),
+    ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
+     "/v1/chat/completions"),
+]
+
+
+def test_errors_have_openai_shape_and_disturb_nothing(srv, model):
+    body = {"model": NAME, "prompt": "In flight", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    want = engine_text(model, model.tokenizer.encode("In flight"), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=T) as inflight:
+        for kwargs, param, path in BAD:
+            r = httpx.post(f"{srv.url}{path}", **kwargs)
+            assert r.status_code == 400, (kwargs, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert err["param"] == param, (kwargs, err)
+        events = [json.loads(line[6:]) for line in inflight.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == want
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": "still fine", "max_tokens": 2}, timeout=T)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_auth(small):
+    body = {"model": NAME, "prompt": "x", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{small.url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{small.url}/v1/models").status_code == 401
+    assert httpx.get(f"{small.url}/health").status_code == 200
+    ok = openai.OpenAI(base_url=f"{small.url}/v1", api_key=KEY, max_retries=0, timeout=T)
+    assert ok.completions.create(**body).usage.completion_tokens >= 1
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict, headers=None) -> tuple[int, dict, int]:
+    """(status, the last JSON event or the error body, text chunks) of one streaming request."""
+    async with client.stream("POST", url, json=body, headers=headers) as r:
+        if r.status_code != 200:
+            return r.status_code, json.loads(await r.aread()) | {"retry_after": r.headers.get("retry-after")}, 0
+        last, chunks = None, 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+                chunks += bool(last["choices"])
+        return 200, last, chunks
+
+
+def test_queue_full_is_429_and_spares_the_admitted(small):
+    body = {"model": NAME, "prompt": "Busy", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=T) as c:
+            jobs = [_stream(c, f"{small.url}/v1/completions", body, {"Authorization": f"Bearer {KEY}"}) for _ in range(ENGINE.max_slots + 4)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if r[0] == 429]
+    done = [r for r in results if r[0] == 200]
+    assert refused and len(done) >= ENGINE.max_slots, [r[0] for r in results]
+    assert all(r[1]["error"]["code"] == "queue_full" and r[1]["retry_after"] == "1" for r in refused)
+    assert all(r[1]["usage"]["completion_tokens"] == 20 for r in done)  # the admitted run to the end
+    small.wait_idle()
+    assert small.metric("jaxinfer_kv_pages_used") == 0
+    assert small.metric('jaxinfer_requests_rejected_total{reason="queue_full"}') == len(refused)
+
+
+def test_disconnect_aborts_and_frees_pages(srv):
+    aborted = srv.metric('jaxinfer_requests_finished_total{finish_reason="abort"}')
+    body = {"model": NAME, "prompt": "Leave early", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=T) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+    # leaving the block closed the connection mid-stream
+    srv.wait_idle()
+    assert srv.metric('jaxinfer_requests_finished_total{finish_reason="abort"}') == aborted + 1
+    assert srv.metric("jaxinfer_kv_pages_used") == 0
+
+
+def test_load_200_concurrent_streams(srv):
+    rng = random.Random(0)
+    words = "alpha beta gamma delta stream token page cache".split()
+    bodies = [{"model": NAME, "prompt": " ".join(rng.choices(words, k=rng.randint(1, 12))),
+               "max_tokens": rng.randint(1, 8), "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}} for _ in range(200)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=3 * T, limits=limits) as c:
+            return await asyncio.gather(*[_stream(c, f"{srv.url}/v1/completions", b) for b in bodies])
+
+    results = asyncio.run(run())
+    assert [r[0] for r in results] == [200] * 200
+    assert [r[1]["usage"]["completion_tokens"] for r in results] == [b["max_tokens"] for b in bodies]
+    srv.wait_idle()
+    assert srv.metric("jaxinfer_kv_pages_used") == 0
+    assert srv.metric("jaxinfer_requests_waiting") == 0
+
+
+def test_graceful_shutdown_finishes_in_flight(model):
+    s = ServerThread(build_server(model, ENGINE, NAME, warmup=False))
+    body = {"model": NAME, "prompt": "Last one", "max_tokens": 20, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=T) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        s.uvicorn.should_exit = True  # what SIGTERM does
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 20
+    s.thread.join(T)
+    assert not s.thread.is_alive() and not s.server.loop._thread.is_alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{s.url}/health")
