@@ -195,8 +195,8 @@ def load_sharded(path: str | os.PathLike | None, mesh: Mesh, dtype: str = "float
     """`jaxinfer.loading.load_model` with the params placed on `mesh` -> a `Model`.
 
     An orbax directory (`jaxinfer convert`) restores every shard straight onto its devices:
-    no full copy on one device first. GGUF/HF files are dequantized on the host as usual,
-    then each device receives only its shard (`put`).
+    no full copy on one device first. GGUF/HF files load as usual (onto the default device),
+    then are resharded (`put`); placing their shards as they are read is not done yet.
     """
     import dataclasses
     from pathlib import Path

@@ -121,7 +121,7 @@ def check_orbax_restore(model: Model) -> dict:
         save_orbax(model.config, model.params, f"{tmp}/ckpt")
         restored = sharding.load_sharded(f"{tmp}/ckpt", mesh)
     wq = restored.params.layers[0].wq
-    return {"wq_spec": str(wq.sharding.spec), "wq_shard_shape": list(wq.addressable_shards[0].data.shape),
+    return {"wq_spec": list(wq.sharding.spec), "wq_shard_shape": list(wq.addressable_shards[0].data.shape),
             "equal": all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
                          for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(model.params)))}
 

@@ -3,6 +3,7 @@ planner is optimal, and a calibrated plan keeps its KL budget on held-out text."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -57,7 +58,7 @@ def fake_calibration(formats=("f32", "int8", "int4"), layers=3) -> C.KVCalibrati
     kl = np.tile(np.array([0.0, 0.001, 0.01])[None, :n_f], (layers, 1))
     kl[2, 2] = 0.012  # layer 2 suffers most from int4
     return C.KVCalibration(formats=formats, reference="f32", page_size=16, n_tokens=0,
-                           bytes_per_token=np.array([1536.0, 396.0, 252.0])[:n_f], score_err=out_err, value_err=out_err,
+                           bytes_per_token=np.array([1536.0, 396.0, 252.0])[:n_f], score_err=3 * out_err, value_err=out_err / 2,
                            out_err=out_err, kl_uniform=kl.sum(0), kl_layer=kl, probe=None)
 
 
@@ -135,9 +136,13 @@ def test_probe_cache_kl_equals_the_real_formats_kl(tiny_calibration):
 
 
 def test_plan_within_budget_verifies_end_to_end(tiny_calibration):
+    """Even when the per-layer estimates are 10x too optimistic, the measured KL of the
+    returned plan is within margin * budget: the plan is checked end to end and tightened."""
     config, params, tokens, calib = tiny_calibration
     budget = 0.5 * calib.kl_uniform[2]  # all-int4 does not fit; something in between must
-    plan = C.plan_within_budget(params, config, tokens, calib, budget_kl=budget, margin=0.8)
+    optimistic = dataclasses.replace(calib, kl_layer=calib.kl_layer / 10)
+    assert C.plan_kv_cache(optimistic, budget_kl=0.8 * budget).formats == ("int4", "int4")  # would overshoot
+    plan = C.plan_within_budget(params, config, tokens, optimistic, budget_kl=budget, margin=0.8)
     measured = C.evaluate_kv_cache(params, config, tokens, plan, page_size=8)["kl"]
     assert plan.formats != ("f32", "f32") and plan.formats != ("int4", "int4")
     assert measured <= 0.8 * budget and abs(measured - plan.calibration_kl) <= 1e-4 * budget

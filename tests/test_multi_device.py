@@ -57,7 +57,7 @@ def test_sharded_logits_match_single_device(meshes, spec):
 def test_orbax_restores_straight_into_shardings(meshes):
     o = meshes["orbax"]
     assert o["equal"]
-    assert o["wq_spec"] == "PartitionSpec('model', None)"
+    assert o["wq_spec"] == ["model", None]
     assert o["wq_shard_shape"] == [8 * 8 // 4, 32]  # n_heads * head_dim rows split 4 ways
 
 

@@ -156,6 +156,10 @@ def test_seed_n_stop(client):
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: repeats exactly
     assert [c.index for c in a.choices] == [0, 1] and a.usage.completion_tokens == 20
     assert a.choices[0].text != a.choices[1].text  # choice i samples with seed + i
+    streamed = ["", ""]
+    for c in client.completions.create(stream=True, **kw):
+        streamed[c.choices[0].index] += c.choices[0].text
+    assert streamed == [c.text for c in a.choices]
     full = a.choices[0].text
     stop = full.strip().split()[1]  # a word in the middle of the seeded output
     cut = client.completions.create(**(kw | {"n": 1, "stop": [stop]}))

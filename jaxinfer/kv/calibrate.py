@@ -425,8 +425,7 @@ def plan_kv_cache(calib: KVCalibration, budget_kl: float | None = None, budget_o
             raise ValueError(f"{name}={b!r} must be a finite number >= 0")
     allowed = np.ones(calib.kl_layer.shape, bool)
     if budget_out_err is not None:
-        allowed = calib.out_err.max(axis=1) <= budget_out_err
-        allowed[:, calib.formats.index(calib.reference)] = True
+        allowed = calib.out_err.max(axis=1) <= budget_out_err  # the reference's error is 0: always allowed
     kl = calib.kl_layer if budget_kl is not None else np.zeros_like(calib.kl_layer)
     sizes = np.rint(calib.bytes_per_token * calib.page_size).astype(np.int64)  # bytes per page: integers
     choice = choose_formats(kl, sizes, budget_kl if budget_kl is not None else 0.0, allowed)
