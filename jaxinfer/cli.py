@@ -24,6 +24,11 @@ EXAMPLES = """examples:
 """
 
 
+def _add_attention_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-impl", default="reference", choices=["reference", "pallas", "auto"],
+                   help="paged attention: jnp reference, Pallas kernels, or auto (kernels on GPU/TPU)")
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a .gguf file, an HF directory (config.json + *.safetensors) "
                    "or an orbax directory from `jaxinfer convert`; default: SmolLM2-135M-Instruct")
@@ -70,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
     gen.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
+    _add_attention_flag(gen)
     gen.add_argument("--stats", action="store_true", help="print the engine metrics at the end")
     _add_mesh_flags(gen)
 
@@ -98,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model or 'default')")
     srv.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
+    _add_attention_flag(srv)
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
     srv.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
     srv.add_argument("--page-size", type=int, default=16)
@@ -139,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model = _load(args.model, args.dtype)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
     engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position),
-                                        mesh=mesh))
+                                        mesh=mesh, attention_impl=args.attention_impl))
     start = time.perf_counter()
     if len(prompts) == 1:
         for piece in engine.stream(prompts[0], params, chat=chat):
@@ -212,7 +219,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     model = _load(args.model, args.dtype)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
-                          max_model_len=min(args.max_model_len, model.config.max_position))
+                          max_model_len=min(args.max_model_len, model.config.max_position),
+                          attention_impl=args.attention_impl)
     name = args.served_model_name or args.model or "default"
     print("compiling ...", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue)

@@ -245,7 +245,7 @@ def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
     check_mesh(mesh, model.config, max_slots)
     params = shard_params(model.params, model.config, mesh)
     kv_sh = kv_shardings(kv, model.config, mesh)
-    fn = jax.jit(step.__wrapped__, static_argnames=("config",), donate_argnames=("kv",),
+    fn = jax.jit(step.__wrapped__, static_argnames=("config", "attention_impl"), donate_argnames=("kv",),
                  out_shardings=(kv_sh, replicated(mesh)))
     return (dataclasses.replace(model, params=params), put(kv, kv_sh), fn,
             lambda batch: put(batch, batch_shardings(batch, mesh)))

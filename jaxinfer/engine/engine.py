@@ -57,6 +57,9 @@ class EngineConfig:
     # A jax.sharding.Mesh with axes ("data", "model") (`jaxinfer.sharding.make_mesh`): params
     # and pages split over heads on `model`, slots over `data`. None = one device.
     mesh: object | None = None
+    # Paged attention: "reference" (pure jnp), "pallas" (the kernels; interpret mode on CPU)
+    # or "auto" (kernels on GPU/TPU where they apply). See `pallas_kernels.dispatch`.
+    attention_impl: str = "reference"
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -67,6 +70,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
+        if self.attention_impl not in ("reference", "pallas", "auto"):
+            raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r} must be 'reference', 'pallas' or 'auto'")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"EngineConfig.scheduling={self.scheduling!r} must be 'continuous' or 'static'")
         if self.streaming is not None:
@@ -204,7 +209,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        self.kv, out = self._step(self.model.params, self.model.config, self.kv, self._place(self._batch(plan)))
+        self.kv, out = self._step(self.model.params, self.model.config, self.kv, self._place(self._batch(plan)),
+                                  attention_impl=self.config.attention_impl)
         decode_next = np.asarray(out.decode_tokens)
         prefill_next = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
         self.scheduler.commit(plan)
@@ -229,7 +235,8 @@ class Engine:
         for width in self.context_buckets:
             for with_prefill in (False, True):
                 self.kv, _ = self._step(self.model.params, self.model.config, self.kv,
-                                        self._place(self._idle_batch(width, with_prefill)))
+                                        self._place(self._idle_batch(width, with_prefill)),
+                                        attention_impl=self.config.attention_impl)
         return 2 * len(self.context_buckets)
 
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:

@@ -45,9 +45,9 @@ class StepOutput:
     prefill_tokens: jax.Array | None  # i32[P]: next token after each row's chunk
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch
-                ) -> tuple[PagedKVState, StepOutput]:
+@functools.partial(jax.jit, static_argnames=("config", "attention_impl"), donate_argnames=("kv",))
+def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch,
+                attention_impl: str = "reference") -> tuple[PagedKVState, StepOutput]:
     """Run every scheduled token through the model and sample; donates `kv`.
 
     Block tables and lengths come from the host in `batch`; the returned state keeps the
@@ -72,7 +72,7 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
             tokens=p.tokens, positions=batch.lengths[p.slots][:, None] + jnp.arange(chunk, dtype=jnp.int32),
             slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0),
         ),)
-    logits, kv = forward_groups(params, config, kv, groups)
+    logits, kv = forward_groups(params, config, kv, groups, attention_impl)
     decode_next = sample_tokens(logits[0], batch.sampling, kv.lengths)
     prefill_next = None
     if batch.prefill is not None:
