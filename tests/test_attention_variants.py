@@ -3,7 +3,6 @@ StreamingLLM cache, MLA absorption, KV bytes per token, and every variant in the
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
