@@ -4,6 +4,7 @@ planner is optimal, and a calibrated plan keeps its KL budget on held-out text."
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -152,18 +153,20 @@ def test_plan_within_budget_verifies_end_to_end(tiny_calibration):
 
 
 @pytest.mark.slow
-def test_cli_plan_respects_its_kl_budget_on_held_out_text(smollm2_gguf, tmp_path, capsys):
+def test_cli_plan_respects_its_kl_budget_on_held_out_text(smollm2_gguf, tmp_path, capsys, monkeypatch):
     """`jaxinfer calibrate-kv` (default model) on 256 calibration tokens; the plan's KL measured
     through the real quantized caches on 512 other tokens stays within the budget."""
+    import jaxinfer.loading
     from jaxinfer.cli import main
-    from jaxinfer.loading import load_model
 
+    load_model = functools.lru_cache(jaxinfer.loading.load_model)  # the CLI and the test share one load
+    monkeypatch.setattr(jaxinfer.loading, "load_model", load_model)
     budget, out = 0.01, tmp_path / "plan.json"
     assert main(["calibrate-kv", "--budget-kl", str(budget), "--out", str(out), "--tokens", "256", "--seq-len", "256",
                  "--formats", "f32,int8,int4", "--probe", "none"]) == 0
     assert "bytes/token" in capsys.readouterr().err
     plan = KVCachePlan.load(out)
-    model = load_model(smollm2_gguf)
+    model = load_model(None, dtype="float32")
     assert len(plan.formats) == model.config.n_layers and plan.budget_kl == budget
     held_out = C.text_tokens(model.tokenizer, 2, 256, start=60_000)
     result = C.evaluate_kv_cache(model.params, model.config, held_out, plan)

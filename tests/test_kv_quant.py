@@ -289,7 +289,7 @@ def test_invalid_formats_and_plans_raise_clear_errors(tmp_path):
         layer.gather(jnp.zeros((1, 3), jnp.int32))
 
 
-# ---- the real model: int8 greedy decoding agrees with the full-precision cache -------------------
+# ---- greedy decoding: in the engine, and int8 vs f32 on the real model ----------------------------
 
 
 PROMPTS = ["The history of the printing press begins in",
@@ -346,3 +346,21 @@ def test_int8_greedy_decoding_agrees_with_the_full_precision_cache(smollm2_gguf)
     print(f"int8 vs f32 cache: teacher-forced agreement {teacher_forced:.3f}, identical prefix {identical_prefix}")
     assert teacher_forced >= 0.97
     assert sum(identical_prefix) >= 0.5 * n * len(prompts)
+
+
+def test_engine_with_a_kivi_cache_equals_prefill_then_decode():
+    """Continuous batching over 2 slots (4 requests: slots are reused, so tails are too), page-
+    aligned prefill chunks next to decodes in one step: the engine's greedy tokens with an int4
+    cache equal a one-shot prefill followed by decode through the same cache format."""
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.loading import Model
+    from jaxinfer.sampling import SamplingParams
+
+    config, params = tiny_model(head_dim=16, max_position=512)
+    model = Model(config, params, None)
+    prompts = [[int(t) for t in random_tokens((n,), config.vocab_size, seed=n)] for n in (5, 37, 80, 16)]
+    engine = Engine(model, EngineConfig(max_slots=2, page_size=16, max_model_len=160, prefill_chunk=16))
+    engine.kv = init_paged_kv(config, engine.spec, kv_cache="int4")  # until EngineConfig(kv_cache=...) lands
+    got = [r.token_ids for r in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    want = [list(row) for row in greedy(model, prompts, "int4", 24)[0]]
+    assert got == want

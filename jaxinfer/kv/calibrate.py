@@ -279,7 +279,6 @@ def measure_plans(params: ModelParams, config: ModelConfig, tokens: np.ndarray, 
             raise ValueError(f"a plan has {len(p)} layers, the model {config.n_layers}")
     codes = np.array([[formats.index(f) for f in p] for p in plans], np.int32).reshape(len(plans), config.n_layers)
     kl_sum, ref_nll = np.zeros(len(plans)), []
-    rows = 2 if len(plans) == 1 else rows  # verifying one plan: a second, small program
     per_chunk = rows - 1
     for seq in np.asarray(tokens):
         for start in range(0, len(plans), per_chunk):
