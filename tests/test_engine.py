@@ -229,3 +229,16 @@ def test_requests_admitted_together_pick_up_a_prefix_cached_meanwhile(model):
     assert sorted(o.metrics.num_cached_prompt_tokens for o in outs) == [0, 24, 24, 24]
     off = engine(model, enable_prefix_caching=False).generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in off]
+
+
+def test_quantized_kv_cache_through_the_engine(model):
+    """EngineConfig(kv_cache=...) stores the cache in the named format; bad names raise."""
+    ps = prompts(3, seed=16, lo=10, hi=30)
+    full = [o.token_ids for o in engine(model).generate(ps, GREEDY)]
+    int8 = engine(model, kv_cache="int8")
+    assert int8.kv.layers[0].__class__.__name__ != "LayerKV"
+    got = [o.token_ids for o in int8.generate(ps, GREEDY)]
+    agree = np.mean([a == b for x, y in zip(full, got) for a, b in zip(x, y)])
+    assert agree >= 0.9, agree  # int8 error is below half a step per element
+    with pytest.raises(ValueError, match="int7"):
+        engine(model, kv_cache="int7")

@@ -60,6 +60,10 @@ class EngineConfig:
     # Paged attention: "reference" (pure jnp), "pallas" (the kernels; interpret mode on CPU)
     # or "auto" (kernels on GPU/TPU where they apply). See `pallas_kernels.dispatch`.
     attention_impl: str = "reference"
+    # KV-cache storage: "auto" (model dtype), a format name for every layer ("int8",
+    # "fp8_e4m3", "int4", ...), a `jaxinfer.kv.plan.KVCachePlan` or a plan JSON path
+    # (`jaxinfer calibrate-kv`). Invalid names or plans raise ValueError.
+    kv_cache: object = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -109,7 +113,7 @@ class Engine:
         self.max_model_len = max_len
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
-        self.kv = init_paged_kv(mc, self.spec, streaming=stream)
+        self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache)
         self._step, self._place = engine_step, lambda batch: batch
         if config.mesh is not None:
             from jaxinfer.sharding import shard_engine
@@ -121,7 +125,8 @@ class Engine:
             max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
             prefill_chunk=config.prefill_chunk, max_prefill_rows=config.max_prefill_rows,
             max_tokens_per_step=budget, enable_prefix_caching=config.enable_prefix_caching and stream is None,
-            cache_root=cache_identity(mc, str(jax.tree.leaves(self.kv.layers[0])[0].dtype), config.page_size),
+            cache_root=cache_identity(mc, repr(config.kv_cache), str(jax.tree.leaves(self.kv.layers[0])[0].dtype),
+                                      config.page_size),
             static_batching=config.scheduling == "static",
             release_window=None if stream else release_window(mc),
             max_pages_per_seq=pages_per_seq if stream else None,
