@@ -33,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the output)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    speculative: bool = True  # False: never use draft tokens (when the engine speculates)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -47,6 +48,7 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in stop), f"stop={self.stop!r} must be non-empty strings")
         ids = tuple(self.stop_token_ids)
         _check(all(isinstance(i, int) and i >= 0 for i in ids), f"stop_token_ids={self.stop_token_ids!r} must be integers >= 0")
+        _check(isinstance(self.speculative, bool), f"speculative={self.speculative!r} must be a bool")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.sampling import SamplingArrays, filter_logits, row_keys
+
 
 def acceptance_probs(p: jax.Array, q: jax.Array, draft: jax.Array) -> jax.Array:
     """a_i = min(1, p_i(d_i) / q_i(d_i)).
@@ -69,3 +71,60 @@ def _verify_row(key, draft, q, p):
     correction = jax.random.categorical(k_fix, jnp.log(fix))
     tokens = jnp.append(draft, 0).at[n].set(correction)
     return n.astype(jnp.int32), tokens.astype(jnp.int32)
+
+
+# ---- in the engine's step -------------------------------------------------------------------
+
+
+def _per_position(s: SamplingArrays, t: int) -> SamplingArrays:
+    """Row parameters [B] -> [B * t]: the same parameters at each of t positions."""
+    return jax.tree.map(lambda a: jnp.repeat(jnp.asarray(a), t), s)
+
+
+def sampling_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The distribution each row really samples from: f32[B, T, V] -> f32[B, T, V].
+
+    softmax(filter_logits) for sampled rows; one-hot at the argmax for greedy rows.
+    """
+    b, t, v = logits.shape
+    flat = logits.reshape(b * t, v)
+    rows = _per_position(s, t)
+    probs = jax.nn.softmax(filter_logits(flat, rows), axis=-1)
+    greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), v, dtype=probs.dtype)
+    return jnp.where((rows.temperature > 0)[:, None], probs, greedy).reshape(b, t, v)
+
+
+def verify_step(
+    target_logits: jax.Array,  # f32[B, k + 1, V]: target logits after t0, d_1 .. d_k
+    draft: jax.Array,  # i32[B, k]: proposed tokens
+    draft_probs: jax.Array | None,  # f32[B, k, V]: their draft distributions; None = one-hot (n-gram)
+    num_draft: jax.Array,  # i32[B]: drafts to consider per row (the rest are padding)
+    s: SamplingArrays,  # [B]
+    key_position: jax.Array,  # i32[B]: the position keying each row's randomness
+) -> tuple[jax.Array, jax.Array]:
+    """`verify_draft` for a batch of slots with per-row draft counts -> (i32[B], i32[B, k + 1]).
+
+    Padding drafts (index >= num_draft) get q = 0: they are rejected with certainty and
+    the residual max(p - 0, 0) is p itself, so a row with no drafts samples plainly from
+    p. When every row is greedy, only the argmax of each position is needed and the
+    V-sized distributions are never built.
+    """
+    b, k = draft.shape
+    v = target_logits.shape[-1]
+    usable = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[B, k]
+
+    def greedy(_):
+        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
+        n = jnp.argmin(jnp.append(usable & (draft == best[:, :k]), jnp.zeros((b, 1), bool), axis=1), axis=1)
+        return n.astype(jnp.int32), best
+
+    def sampled(_):
+        q = jax.nn.one_hot(draft, v, dtype=jnp.float32) if draft_probs is None else draft_probs
+        q = jnp.where(usable[..., None], q, 0.0)
+        keys = row_keys(s.seed, key_position)
+        n, tokens = verify_draft(keys, draft, q, sampling_probs(target_logits, s))
+        n_greedy, best = greedy(None)
+        is_greedy = s.temperature == 0
+        return jnp.where(is_greedy, n_greedy, n), jnp.where(is_greedy[:, None], best, tokens)
+
+    return jax.lax.cond(jnp.all(s.temperature == 0), greedy, sampled, None)

@@ -13,6 +13,7 @@ the requests. Bad input raises at `add_request` and never disturbs running reque
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import time
@@ -24,12 +25,15 @@ import numpy as np
 
 from jaxinfer.engine.request import Request, RequestMetrics, RequestOutput
 from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
+from jaxinfer.engine.speculation import SpeculativeConfig, SpeculativeStats, propose_ngram
+from jaxinfer.engine.speculative_step import DraftBatch, speculative_step
 from jaxinfer.engine.step import PrefillBatch, StepBatch, engine_step
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.kv.paged_state import NULL_PAGE
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.config import ModelConfig
+from jaxinfer.draft_model import DraftModel, check_draft_compatible, self_draft
 from jaxinfer.loading import Model
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 
@@ -64,6 +68,9 @@ class EngineConfig:
     # "fp8_e4m3", "int4", ...), a `jaxinfer.kv.plan.KVCachePlan` or a plan JSON path
     # (`jaxinfer calibrate-kv`). Invalid names or plans raise ValueError.
     kv_cache: object = "auto"
+    # Speculative decoding (`SpeculativeConfig`: n-gram, self-speculation or a draft model);
+    # None = one token per decoding slot per step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -82,6 +89,11 @@ class EngineConfig:
             if not isinstance(self.streaming, tuple) or len(self.streaming) != 2:
                 raise ValueError(f"EngineConfig.streaming={self.streaming!r} must be None or a pair (sinks, window)")
             StreamingSpec(*self.streaming)  # validates both
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+            if self.streaming is not None or self.mesh is not None:
+                raise ValueError("speculative decoding is not supported with streaming caches or on a mesh yet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +109,7 @@ class EngineMetrics:
     preemptions: int
     steps: int
     compiled_programs: int
+    speculative: SpeculativeStats | None = None  # acceptance per position, tokens per target forward
 
 
 class Engine:
@@ -114,6 +127,7 @@ class Engine:
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
         self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache)
+        self._init_speculation(config.speculative)
         self._step, self._place = engine_step, lambda batch: batch
         if config.mesh is not None:
             from jaxinfer.sharding import shard_engine
@@ -130,6 +144,7 @@ class Engine:
             static_batching=config.scheduling == "static",
             release_window=None if stream else release_window(mc),
             max_pages_per_seq=pages_per_seq if stream else None,
+            num_speculative=config.speculative.num_speculative if config.speculative else 0,
         )
         self.context_buckets = context_buckets(pages_per_seq)
         self.requests: dict[str, Request] = {}
@@ -137,6 +152,27 @@ class Engine:
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._steps = 0
+
+    def _init_speculation(self, sc: SpeculativeConfig | None) -> None:
+        """The draft source: n-gram (host), the target's first layers, or a draft model with
+        its own pages (same page ids and block tables as the target's)."""
+        self.draft: DraftModel | None = None
+        self.draft_kv = None
+        self.spec_stats = SpeculativeStats.zeros(sc.num_speculative) if sc else None
+        if sc is None or sc.method == "ngram":
+            return
+        mc = self.model.config
+        if sc.method == "self":
+            self.draft = self_draft(mc, self.model.params, sc.self_layers)
+            return
+        draft = sc.draft
+        if not isinstance(draft, DraftModel):
+            from jaxinfer.draft_training import load_trained_draft
+
+            draft = load_trained_draft(self.model, draft)
+        check_draft_compatible(draft, mc)
+        self.draft = draft
+        self.draft_kv = init_paged_kv(draft.config, self.spec)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -214,18 +250,22 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        self.kv, out = self._step(self.model.params, self.model.config, self.kv, self._place(self._batch(plan)),
-                                  attention_impl=self.config.attention_impl)
-        decode_next = np.asarray(out.decode_tokens)
-        prefill_next = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
-        self.scheduler.commit(plan)
+        drafts = self._draft_batch(plan) if self.spec_stats else None
+        blocks, accepted, prefill_next = self._run(self._batch(plan), drafts)
+        kept = [int(accepted[r.slot]) for r in plan.decode]
+        self.scheduler.commit(plan, kept)
         self._steps += 1
         now = time.perf_counter()
-        sampled = [(r, int(decode_next[r.slot])) for r in plan.decode]
-        sampled += [(r, int(prefill_next[i])) for i, (r, _) in enumerate(plan.prefill) if r.pending == 0]
+        emitted = [(r, blocks[r.slot, : n + 1].tolist()) for r, n in zip(plan.decode, kept)]
+        emitted += [(r, [int(prefill_next[i])]) for i, (r, _) in enumerate(plan.prefill) if r.pending == 0]
         outputs = []
-        for req, token in sampled:
-            req.append_token(token, now)
+        for i, (req, tokens) in enumerate(emitted):
+            for count, token in enumerate(tokens, 1):
+                req.append_token(token, now)
+                if req.finish_reason is not None:
+                    break
+            if drafts is not None and i < len(plan.decode):
+                self._record_speculation(req, int(drafts.num_draft[req.slot]), kept[i], count)
             if req.finish_reason is not None:
                 req.metrics.finished_time = now
                 self.finished_metrics.append(req.metrics)
@@ -234,14 +274,57 @@ class Engine:
             outputs.append(req.take_output())
         return outputs
 
+    def _run(self, batch: StepBatch, drafts: DraftBatch | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Run the jitted step -> (tokens i32[B, k + 1], accepted i32[B], prefill tokens i32[P]).
+        Slot b emits tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
+        m = self.model
+        if drafts is None:
+            self.kv, out = self._step(m.params, m.config, self.kv, self._place(batch), attention_impl=self.config.attention_impl)
+            tokens, accepted = np.asarray(out.decode_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
+        else:
+            d = self.draft
+            self.kv, self.draft_kv, out = speculative_step(
+                m.params, m.config, self.kv, batch, drafts, None if d is None else d.params,
+                None if d is None or d.vocab_ids is None else np.asarray(d.vocab_ids, np.int32), self.draft_kv,
+                draft_config=None if d is None else d.config, shared_layers=0 if d is None else d.shares_target_layers,
+                attention_impl=self.config.attention_impl)
+            tokens, accepted = np.asarray(out.tokens), np.asarray(out.num_accepted)
+        return tokens, accepted, None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
+
+    def _draft_batch(self, plan: SchedulePlan) -> DraftBatch:
+        """How many drafts each decoding slot verifies; n-gram drafts are proposed here."""
+        sc = self.config.speculative
+        tokens = np.zeros((self.spec.max_slots, sc.num_speculative), np.int32)
+        num_draft = np.zeros(self.spec.max_slots, np.int32)
+        for req, lookahead in zip(plan.decode, plan.lookahead):
+            if sc.method == "ngram" and lookahead:
+                proposal = propose_ngram(np.asarray(req.all_tokens, np.int32), lookahead, sc.ngram_max, sc.ngram_min)
+                tokens[req.slot, : len(proposal)] = proposal
+                num_draft[req.slot] = len(proposal)
+            else:
+                num_draft[req.slot] = lookahead
+        return DraftBatch(tokens=tokens, num_draft=num_draft)
+
+    def _record_speculation(self, req: Request, num_draft: int, num_accepted: int, emitted: int) -> None:
+        if req.metrics.speculative is None:
+            req.metrics.speculative = SpeculativeStats.zeros(self.config.speculative.num_speculative)
+        for stats in (req.metrics.speculative, self.spec_stats):
+            stats.record(num_draft, num_accepted, emitted)
+
+    @property
+    def _jitted(self):
+        return speculative_step if self.spec_stats else self._step
+
     def warmup(self) -> int:
         """Compile every program traffic can need (decode-only and decode + prefill, at each
         context bucket) by running steps in which no row is active. Returns the count."""
         for width in self.context_buckets:
             for with_prefill in (False, True):
-                self.kv, _ = self._step(self.model.params, self.model.config, self.kv,
-                                        self._place(self._idle_batch(width, with_prefill)),
-                                        attention_impl=self.config.attention_impl)
+                drafts = None
+                if self.spec_stats:
+                    drafts = DraftBatch(tokens=np.zeros((self.spec.max_slots, self.config.speculative.num_speculative), np.int32),
+                                        num_draft=np.zeros(self.spec.max_slots, np.int32))
+                self._run(self._idle_batch(width, with_prefill), drafts)
         return 2 * len(self.context_buckets)
 
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
@@ -342,7 +425,8 @@ class Engine:
             pages_free=a.num_free, pages_cached=a.num_cached,
             prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
-            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._step._cache_size(),
+            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._jitted._cache_size(),
+            speculative=copy.deepcopy(self.spec_stats),
         )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from jaxinfer.engine.speculation import SpeculativeStats
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
@@ -27,6 +28,7 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
+    speculative: SpeculativeStats | None = None  # draft acceptance (engines that speculate)
 
     @property
     def time_to_first_token(self) -> float | None:

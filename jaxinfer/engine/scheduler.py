@@ -28,6 +28,7 @@ from jaxinfer.kv.prefix_cache import block_hashes
 class SchedulePlan:
     decode: list[Request]  # one pending token each
     prefill: list[tuple[Request, int]]  # (request, tokens in this chunk)
+    lookahead: list[int] = dataclasses.field(default_factory=list)  # per decode request: draft tokens it may verify
 
     @property
     def empty(self) -> bool:
@@ -45,10 +46,12 @@ class Scheduler:
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, prefill_chunk: int,
                  max_prefill_rows: int, max_tokens_per_step: int, enable_prefix_caching: bool,
                  cache_root: bytes, static_batching: bool = False, release_window: int | None = None,
-                 max_pages_per_seq: int | None = None):
+                 max_pages_per_seq: int | None = None, num_speculative: int = 0):
         """`release_window=W`: pages wholly behind the last W tokens return to the pool as a
         request advances (every layer windowed). `max_pages_per_seq`: a request never holds
-        more pages (a streaming ring reuses its pages in place)."""
+        more pages (a streaming ring reuses its pages in place). `num_speculative=k`: a
+        decoding request also gets budget and pages for up to k draft tokens."""
+        self.num_speculative = num_speculative
         self.release_window = release_window
         self.max_pages_per_seq = max_pages_per_seq
         self.max_slots = max_slots
@@ -89,12 +92,13 @@ class Scheduler:
         self._admit()
         budget = self.max_tokens_per_step
         decode: list[Request] = []
+        lookahead: dict[int, int] = {}
         prefill: list[tuple[Request, int]] = []
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted while making room for an earlier request
             if req.pending == 1 and budget >= 1:
-                n = 1
+                n = 1 + min(self._lookahead(req), budget - 1)
             elif req.pending > 1 and len(prefill) < self.max_prefill_rows and budget >= 1:
                 self._extend_prefix_hit(req)
                 n = min(req.pending, self.prefill_chunk, budget)
@@ -105,16 +109,24 @@ class Scheduler:
             budget -= n
             if req.pending == 1:
                 decode.append(req)
+                lookahead[id(req)] = n - 1
             else:
                 prefill.append((req, n))
         decode = [r for r in decode if r.status is RequestStatus.RUNNING]
         prefill = [(r, n) for r, n in prefill if r.status is RequestStatus.RUNNING]
-        return SchedulePlan(decode=decode, prefill=prefill)
+        return SchedulePlan(decode=decode, prefill=prefill, lookahead=[lookahead[id(r)] for r in decode])
 
-    def commit(self, plan: SchedulePlan) -> None:
-        """After the step ran: advance progress and enter full prompt pages in the cache."""
-        for req in plan.decode:
-            req.num_computed += 1
+    def _lookahead(self, req: Request) -> int:
+        """Draft tokens a decoding request may verify: at most k, never past max_tokens."""
+        if not self.num_speculative or not req.params.speculative:
+            return 0
+        return max(0, min(self.num_speculative, req.params.max_tokens - len(req.generated) - 1))
+
+    def commit(self, plan: SchedulePlan, accepted: list[int] | None = None) -> None:
+        """After the step ran: advance progress and enter full prompt pages in the cache.
+        `accepted[i]`: drafts kept by `plan.decode[i]` (its K/V past those is discarded)."""
+        for i, req in enumerate(plan.decode):
+            req.num_computed += 1 + (accepted[i] if accepted else 0)
         for req, n in plan.prefill:
             req.num_computed += n
         if self.enable_prefix_caching:

@@ -64,19 +64,28 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
         tokens=batch.decode_tokens[:, None], positions=batch.lengths[:, None], slots=slots,
         num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots),
     )
-    groups = (decode,)
-    if batch.prefill is not None:
-        p = batch.prefill
-        chunk = p.tokens.shape[1]
-        groups += (TokenGroup(
-            tokens=p.tokens, positions=batch.lengths[p.slots][:, None] + jnp.arange(chunk, dtype=jnp.int32),
-            slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0),
-        ),)
-    logits, kv = forward_groups(params, config, kv, groups, attention_impl)
+    logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl)
     decode_next = sample_tokens(logits[0], batch.sampling, kv.lengths)
-    prefill_next = None
-    if batch.prefill is not None:
-        rows = jax.tree.map(lambda a: a[batch.prefill.slots], batch.sampling)
-        prefill_next = sample_tokens(logits[1], rows, kv.lengths[batch.prefill.slots])
+    prefill_next = sample_prefill(logits, batch, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
     return kv, StepOutput(decode_tokens=decode_next, prefill_tokens=prefill_next)
+
+
+def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:
+    """The batch's prefill rows as a token group (logits at each row's last token), or ()."""
+    if batch.prefill is None:
+        return ()
+    p = batch.prefill
+    chunk = p.tokens.shape[1]
+    return (TokenGroup(
+        tokens=p.tokens, positions=batch.lengths[p.slots][:, None] + jnp.arange(chunk, dtype=jnp.int32),
+        slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0),
+    ),)
+
+
+def sample_prefill(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array) -> jax.Array | None:
+    """The token after each prefill row's chunk (`logits[1]`), keyed like a decode token."""
+    if batch.prefill is None:
+        return None
+    rows = jax.tree.map(lambda a: a[batch.prefill.slots], batch.sampling)
+    return sample_tokens(logits[1], rows, new_lengths[batch.prefill.slots])

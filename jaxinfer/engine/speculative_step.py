@@ -1,0 +1,150 @@
+"""The engine's step with speculative decoding: draft k tokens, verify them in one target pass.
+
+Each decoding slot feeds `[t0, d_1 .. d_k]` (its pending token and the drafts) through the
+target as one row of a `[max_slots, k + 1]` group, so the target scores all k + 1
+positions in a single forward; `verify_step` then keeps a per-slot number of drafts.
+Shapes stay fixed: a slot verifies `num_draft[b] <= k` drafts and the rest is padding.
+
+Rejected drafts need no undo on the device. Their K/V were written past the accepted
+tokens, and the host advances the slot's length only over what was kept, so the next
+step overwrites them and attention never reads them (lengths mask everything after).
+The same holds for the draft model's own cache, which shares the target's block tables:
+one page id holds the target's K/V in the target pool and the draft's in the draft pool.
+
+Draft sources (chosen statically by `draft_config` / `shared_layers`):
+- host drafts (n-gram prompt lookup): tokens arrive in `DraftBatch.tokens`, q is one-hot;
+- a draft model: k autoregressive draft forwards inside this step. A separate draft
+  also runs the prefill rows (so its pages match the target's, prefix cache included)
+  and writes d_k's K/V in one extra forward, needed when all k drafts are accepted;
+- self-speculation: the draft is the target's first layers, reading and writing the
+  target's own pages for those layers (the target pass rewrites them right after).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.step import StepBatch, prefill_groups, sample_prefill
+from jaxinfer.kv.paged_state import PagedKVState
+from jaxinfer.model import ModelParams, TokenGroup, forward_groups
+from jaxinfer.sampling import SamplingArrays, filter_logits, row_keys
+from jaxinfer.speculative import verify_step
+
+DRAFT_KEY_TAG = 1  # folded into a row's key: draft sampling never reuses verification randomness
+
+
+@struct.dataclass
+class DraftBatch:
+    tokens: jax.Array  # i32[max_slots, k]: host-proposed drafts (n-gram); unused with a draft model
+    num_draft: jax.Array  # i32[max_slots]: drafts to verify per decoding slot (0 = plain decode)
+
+
+@struct.dataclass
+class SpeculativeOutput:
+    tokens: jax.Array  # i32[max_slots, k + 1]: slot b emits tokens[b, : num_accepted[b] + 1]
+    num_accepted: jax.Array  # i32[max_slots]: drafts kept per slot
+    prefill_tokens: jax.Array | None  # i32[P]: next token after each prefill row's chunk
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "shared_layers", "attention_impl"),
+                   donate_argnames=("kv", "draft_kv"))
+def speculative_step(
+    params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch, drafts: DraftBatch,
+    draft_params: ModelParams | None = None,  # None: host drafts (n-gram)
+    draft_vocab: jax.Array | None = None,  # i32[Vd]: token id of each draft logit (None = full vocab)
+    draft_kv: PagedKVState | None = None,  # the draft's own pages (a separate draft model only)
+    draft_config: ModelConfig | None = None,
+    shared_layers: int = 0,  # > 0: self-speculation over the target's first layers
+    attention_impl: str = "reference",
+) -> tuple[PagedKVState, PagedKVState | None, SpeculativeOutput]:
+    """Propose, run the target over every slot's block and the prefill rows, verify; donates
+    both caches. Block tables and lengths are host-owned, as in `engine_step`."""
+    host_owned = (kv.block_tables, kv.lengths)
+    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[B]
+    k = drafts.tokens.shape[1]
+
+    if draft_config is None:
+        draft, draft_probs = drafts.tokens, None
+    elif shared_layers:
+        dkv = dataclasses.replace(kv, layers=kv.layers[:shared_layers])
+        draft, draft_probs, dkv = propose_drafts(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
+                                                 separate=False, attention_impl=attention_impl)
+        kv = dataclasses.replace(kv, layers=dkv.layers + kv.layers[shared_layers:])
+    else:
+        draft_owned = (draft_kv.block_tables, draft_kv.lengths)
+        dkv = dataclasses.replace(draft_kv, block_tables=batch.block_tables, lengths=batch.lengths)
+        draft, draft_probs, dkv = propose_drafts(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
+                                                 separate=True, attention_impl=attention_impl)
+        draft_kv = dataclasses.replace(dkv, block_tables=draft_owned[0], lengths=draft_owned[1])
+
+    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
+    block = TokenGroup(
+        tokens=jnp.concatenate([batch.decode_tokens[:, None], draft], axis=1),  # [B, k + 1]
+        positions=batch.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32), slots=slots,
+        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0),
+    )
+    logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl)
+    num_accepted, tokens = verify_step(logits[0], draft, draft_probs, num_draft, batch.sampling, batch.lengths + 1)
+    prefill_next = sample_prefill(logits, batch, kv.lengths)
+    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
+    return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next)
+
+
+def propose_drafts(
+    params: ModelParams, config: ModelConfig, vocab: jax.Array | None, dkv: PagedKVState, batch: StepBatch,
+    num_draft: jax.Array, k: int, *, separate: bool, attention_impl: str,
+) -> tuple[jax.Array, jax.Array, PagedKVState]:
+    """k draft tokens per slot, sampled from the draft under each row's sampling parameters.
+
+    -> (draft i32[B, k], draft_probs f32[B, k, V], cache). Row b writes only its first
+    `num_draft[b] + 1` tokens (t0, d_1 .. d_num_draft); positions past that are never written.
+    """
+    b = batch.lengths.shape[0]
+    vocab_size = config.vocab_size
+    slots = jnp.arange(b, dtype=jnp.int32)
+    current = batch.decode_tokens  # i32[B]
+    tokens, probs = [], []
+    for j in range(k + 1 if separate else k):
+        group = TokenGroup(tokens=current[:, None], positions=(batch.lengths + j)[:, None], slots=slots,
+                           num_new=(batch.decode_active & (j <= num_draft)).astype(jnp.int32),
+                           logits_index=jnp.zeros_like(slots))
+        extra = prefill_groups(batch) if separate and j == 0 else ()  # keep the draft's pages complete
+        logits, dkv = forward_groups(params, config, dkv, (group,) + extra, attention_impl)
+        if j == k:  # the extra forward only wrote d_k's K/V
+            break
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, DRAFT_KEY_TAG))(row_keys(batch.sampling.seed, batch.lengths + 1 + j))
+        index, q = sample_draft(logits[0], batch.sampling, keys)  # i32[B], f32[B, Vd]
+        if vocab is not None:  # the head covers a subset: map back to token ids
+            index = vocab[index]
+            q = jnp.zeros((b, vocab_size), q.dtype).at[:, vocab].set(q)
+        tokens.append(index)
+        probs.append(q)
+        current = index
+    return jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1), dkv
+
+
+def sample_draft(logits: jax.Array, s: SamplingArrays, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draw from the draft under the row's own temperature/top-k/top-p/min-p (any q is
+    exact; one close to p is accepted more often): f32[B, Vd] -> (i32[B], q f32[B, Vd]).
+    Greedy rows take the argmax with a one-hot q."""
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    one_hot = jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32)
+
+    def greedy(_):
+        return best, one_hot
+
+    def sampled(_):
+        filtered = filter_logits(logits, s)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        is_sampled = s.temperature > 0
+        return (jnp.where(is_sampled, drawn, best),
+                jnp.where(is_sampled[:, None], jax.nn.softmax(filtered, axis=-1), one_hot))
+
+    return jax.lax.cond(jnp.all(s.temperature == 0), greedy, sampled, None)
