@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import SamplingArrays, filter_logits, row_keys
+from jaxinfer.sampling import SamplingArrays, filter_logits
 
 
 def acceptance_probs(p: jax.Array, q: jax.Array, draft: jax.Array) -> jax.Array:
@@ -100,7 +100,7 @@ def verify_step(
     draft_probs: jax.Array | None,  # f32[B, k, V]: their draft distributions; None = one-hot (n-gram)
     num_draft: jax.Array,  # i32[B]: drafts to consider per row (the rest are padding)
     s: SamplingArrays,  # [B]
-    key_position: jax.Array,  # i32[B]: the position keying each row's randomness
+    keys: jax.Array,  # key[B]: each row's verification randomness (independent of its drafts')
 ) -> tuple[jax.Array, jax.Array]:
     """`verify_draft` for a batch of slots with per-row draft counts -> (i32[B], i32[B, k + 1]).
 
@@ -121,7 +121,6 @@ def verify_step(
     def sampled(_):
         q = jax.nn.one_hot(draft, v, dtype=jnp.float32) if draft_probs is None else draft_probs
         q = jnp.where(usable[..., None], q, 0.0)
-        keys = row_keys(s.seed, key_position)
         n, tokens = verify_draft(keys, draft, q, sampling_probs(target_logits, s))
         n_greedy, best = greedy(None)
         is_greedy = s.temperature == 0

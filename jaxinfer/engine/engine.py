@@ -134,7 +134,8 @@ class Engine:
 
             self.model, self.kv, self._step, self._place = shard_engine(model, self.kv, config.mesh,
                                                                         config.max_slots, engine_step)
-        budget = config.max_tokens_per_step or config.max_slots + config.max_prefill_rows * config.prefill_chunk
+        k = config.speculative.num_speculative if config.speculative else 0
+        budget = config.max_tokens_per_step or config.max_slots * (1 + k) + config.max_prefill_rows * config.prefill_chunk
         self.scheduler = Scheduler(
             max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
             prefill_chunk=config.prefill_chunk, max_prefill_rows=config.max_prefill_rows,
@@ -144,7 +145,7 @@ class Engine:
             static_batching=config.scheduling == "static",
             release_window=None if stream else release_window(mc),
             max_pages_per_seq=pages_per_seq if stream else None,
-            num_speculative=config.speculative.num_speculative if config.speculative else 0,
+            num_speculative=k,
         )
         self.context_buckets = context_buckets(pages_per_seq)
         self.requests: dict[str, Request] = {}

@@ -36,8 +36,6 @@ from jaxinfer.model import ModelParams, TokenGroup, forward_groups
 from jaxinfer.sampling import SamplingArrays, filter_logits, row_keys
 from jaxinfer.speculative import verify_step
 
-DRAFT_KEY_TAG = 1  # folded into a row's key: draft sampling never reuses verification randomness
-
 
 @struct.dataclass
 class DraftBatch:
@@ -69,19 +67,24 @@ def speculative_step(
     kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
     num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[B]
     k = drafts.tokens.shape[1]
+    # One key per row from (seed, position), split into two independent streams. (Deriving
+    # the draft's keys with fold_in(key, 1) would reuse split(key)[1], the key of the
+    # correction, and bias the output: the sampled end-to-end test catches exactly that.)
+    verify_keys, draft_keys = jnp.moveaxis(
+        jax.vmap(jax.random.split)(row_keys(batch.sampling.seed, batch.lengths + 1)), 1, 0)
 
     if draft_config is None:
         draft, draft_probs = drafts.tokens, None
     elif shared_layers:
         dkv = dataclasses.replace(kv, layers=kv.layers[:shared_layers])
         draft, draft_probs, dkv = propose_drafts(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
-                                                 separate=False, attention_impl=attention_impl)
+                                                 draft_keys, separate=False, attention_impl=attention_impl)
         kv = dataclasses.replace(kv, layers=dkv.layers + kv.layers[shared_layers:])
     else:
         draft_owned = (draft_kv.block_tables, draft_kv.lengths)
         dkv = dataclasses.replace(draft_kv, block_tables=batch.block_tables, lengths=batch.lengths)
         draft, draft_probs, dkv = propose_drafts(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
-                                                 separate=True, attention_impl=attention_impl)
+                                                 draft_keys, separate=True, attention_impl=attention_impl)
         draft_kv = dataclasses.replace(dkv, block_tables=draft_owned[0], lengths=draft_owned[1])
 
     slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
@@ -91,7 +94,7 @@ def speculative_step(
         num_new=jnp.where(batch.decode_active, 1 + num_draft, 0),
     )
     logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl)
-    num_accepted, tokens = verify_step(logits[0], draft, draft_probs, num_draft, batch.sampling, batch.lengths + 1)
+    num_accepted, tokens = verify_step(logits[0], draft, draft_probs, num_draft, batch.sampling, verify_keys)
     prefill_next = sample_prefill(logits, batch, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
     return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next)
@@ -99,12 +102,13 @@ def speculative_step(
 
 def propose_drafts(
     params: ModelParams, config: ModelConfig, vocab: jax.Array | None, dkv: PagedKVState, batch: StepBatch,
-    num_draft: jax.Array, k: int, *, separate: bool, attention_impl: str,
+    num_draft: jax.Array, k: int, keys: jax.Array, *, separate: bool, attention_impl: str,
 ) -> tuple[jax.Array, jax.Array, PagedKVState]:
     """k draft tokens per slot, sampled from the draft under each row's sampling parameters.
 
     -> (draft i32[B, k], draft_probs f32[B, k, V], cache). Row b writes only its first
     `num_draft[b] + 1` tokens (t0, d_1 .. d_num_draft); positions past that are never written.
+    `keys`: key[B], the row's draft randomness; draft j uses fold_in(key, j).
     """
     b = batch.lengths.shape[0]
     vocab_size = config.vocab_size
@@ -119,8 +123,8 @@ def propose_drafts(
         logits, dkv = forward_groups(params, config, dkv, (group,) + extra, attention_impl)
         if j == k:  # the extra forward only wrote d_k's K/V
             break
-        keys = jax.vmap(lambda key: jax.random.fold_in(key, DRAFT_KEY_TAG))(row_keys(batch.sampling.seed, batch.lengths + 1 + j))
-        index, q = sample_draft(logits[0], batch.sampling, keys)  # i32[B], f32[B, Vd]
+        step_keys = jax.vmap(lambda key: jax.random.fold_in(key, j))(keys)
+        index, q = sample_draft(logits[0], batch.sampling, step_keys)  # i32[B], f32[B, Vd]
         if vocab is not None:  # the head covers a subset: map back to token ids
             index = vocab[index]
             q = jnp.zeros((b, vocab_size), q.dtype).at[:, vocab].set(q)
