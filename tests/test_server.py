@@ -290,3 +290,39 @@ def test_graceful_shutdown_finishes_in_flight(model):
     assert not s.thread.is_alive() and not s.server.loop._thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{s.url}/health")
+
+
+def test_sigterm_drains_and_exits_with_status_zero(model):
+    """`jaxinfer serve` as a process: SIGTERM mid-stream lets the stream finish, then exit 0."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", "--model", model.source, "--port", str(port),
+                             "--max-model-len", str(MAX_LEN), "--max-slots", "2", "--served-model-name", NAME],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + T
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": NAME, "prompt": "Bye", "max_tokens": 16, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=T) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            proc.send_signal(signal.SIGTERM)
+            events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 16
+        assert proc.wait(T) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from jaxinfer.engine import Engine, EngineConfig
@@ -31,4 +32,14 @@ def serve(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, grace
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=grace_s)
     print(f"serving {server.model_name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    uvicorn.Server(config).run()
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: with
+    # the default one the process would die with status -15 after a clean shutdown.
+    previous = signal.signal(signal.SIGTERM, _exit_after_drain)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_after_drain(signum, frame) -> None:
+    raise SystemExit(0)
