@@ -20,10 +20,11 @@ class Model:
     source: str = ""
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True) -> Model:
+def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True, place=None) -> Model:
     """Load a `.gguf` file, an HF directory or an orbax directory written by `jaxinfer convert`.
 
     With no path, the default model (SmolLM2-135M-Instruct) is fetched on first use.
+    `place(config, name, array)`: where each GGUF/HF tensor goes as it is read (see `build_params`).
     """
     from jaxinfer.checkpoint import load_checkpoint
 
@@ -32,7 +33,7 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", progress:
 
         path = default_model_path(progress=progress)
     path = Path(path)
-    config, params = load_checkpoint(path, dtype=dtype)
+    config, params = load_checkpoint(path, dtype=dtype, place=place)
     tokenizer = _load_tokenizer(path)
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)

@@ -121,29 +121,48 @@ def _layer_specs(config: ModelConfig, mesh: Mesh) -> dict[str, P]:
     }
 
 
+def param_spec(name: str, config: ModelConfig, mesh: Mesh) -> P:
+    """The `PartitionSpec` of the tensor `build_params` calls `name` ('embed', 'layers.3.wq', ...).
+
+    Fields not in the table in this module's docstring (norms, MLA projections) are replicated.
+    """
+    field = name.rsplit(".", 1)[-1]
+    if field in ("embed", "lm_head"):
+        return P("model", None) if config.vocab_size % mesh.shape["model"] == 0 else P()
+    return _layer_specs(config, mesh).get(field, P())
+
+
 def param_shardings(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
     """A pytree of `NamedSharding`s matching `params` (a ModelParams or its abstract twin).
 
-    Fields not in the table in this module's docstring (norms, MLA projections) are
-    replicated. Pass the result to `load_orbax(..., shardings=...)` to restore each shard
-    straight onto its devices.
+    Pass the result to `load_orbax(..., shardings=...)` to restore each shard straight onto
+    its devices.
     """
     check_mesh(mesh, config)
-    specs = _layer_specs(config, mesh)
-    vocab = P("model", None) if config.vocab_size % mesh.shape["model"] == 0 else P()
 
-    def layer(lp):
+    def layer(i, lp):
         return type(lp)(**{
-            f: None if getattr(lp, f) is None else NamedSharding(mesh, specs.get(f, P()))
+            f: None if getattr(lp, f) is None else NamedSharding(mesh, param_spec(f"layers.{i}.{f}", config, mesh))
             for f in lp.__dataclass_fields__
         })
 
     return type(params)(
-        embed=NamedSharding(mesh, vocab),
-        layers=tuple(layer(lp) for lp in params.layers),
+        embed=NamedSharding(mesh, param_spec("embed", config, mesh)),
+        layers=tuple(layer(i, lp) for i, lp in enumerate(params.layers)),
         final_norm=NamedSharding(mesh, P()),
-        lm_head=None if params.lm_head is None else NamedSharding(mesh, vocab),
+        lm_head=None if params.lm_head is None else NamedSharding(mesh, param_spec("lm_head", config, mesh)),
     )
+
+
+def placer(mesh: Mesh) -> Callable[[ModelConfig, str, np.ndarray], jax.Array]:
+    """`place` for `build_params` / `load_model`: each tensor goes straight into its shards
+    on `mesh` as it is read, so each device receives only its slice (no full copy on one
+    device; the host holds one tensor at a time besides what the file format keeps)."""
+    def place(config: ModelConfig, name: str, array: np.ndarray) -> jax.Array:
+        check_mesh(mesh, config)
+        return put(array, NamedSharding(mesh, param_spec(name, config, mesh)))
+
+    return place
 
 
 def kv_shardings(kv: Any, config: ModelConfig, mesh: Mesh) -> Any:
@@ -194,19 +213,17 @@ def shard_params(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
 def load_sharded(path: str | os.PathLike | None, mesh: Mesh, dtype: str = "float32") -> Any:
     """`jaxinfer.loading.load_model` with the params placed on `mesh` -> a `Model`.
 
-    An orbax directory (`jaxinfer convert`) restores every shard straight onto its devices:
-    no full copy on one device first. GGUF/HF files load as usual (onto the default device),
-    then are resharded (`put`); placing their shards as they are read is not done yet.
+    No full copy of a tensor lands on one device first: an orbax directory (`jaxinfer
+    convert`) restores every shard straight onto its devices; GGUF and HF tensors are put
+    into their shards one by one as they are read (`placer`).
     """
-    import dataclasses
     from pathlib import Path
 
     from jaxinfer import loading
     from jaxinfer.checkpoint.orbax_io import abstract_params, is_orbax_dir, load_orbax, read_orbax_config
 
     if path is None or not is_orbax_dir(path):
-        model = loading.load_model(path, dtype=dtype, progress=False)
-        return dataclasses.replace(model, params=shard_params(model.params, model.config, mesh))
+        return loading.load_model(path, dtype=dtype, progress=False, place=placer(mesh))
     config = read_orbax_config(Path(path).absolute()).replace(dtype=dtype)
     config, params = load_orbax(path, dtype, shardings=param_shardings(abstract_params(config), config, mesh))
     tokenizer = loading._load_tokenizer(Path(path))

@@ -99,6 +99,7 @@ def check_meshes() -> dict:
     from tiny_models import tiny_model
 
     bad_config = tiny_model(n_heads=6, n_kv_heads=2)[0]
+    out["gguf"] = check_gguf_placed()
     out["errors"] = {
         "heads": error_of(lambda: sharding.check_mesh(sharding.make_mesh("data=2,model=4"), bad_config)),
         "axis_name": error_of(lambda: sharding.make_mesh("batch=2,model=4")),
@@ -124,6 +125,29 @@ def check_orbax_restore(model: Model) -> dict:
     return {"wq_spec": list(wq.sharding.spec), "wq_shard_shape": list(wq.addressable_shards[0].data.shape),
             "equal": all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
                          for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(model.params)))}
+
+
+def check_gguf_placed() -> dict:
+    """A GGUF file loaded onto data=2,model=4: every tensor lands in its shards as it is read."""
+    import tempfile
+    from pathlib import Path
+
+    from jaxinfer.loading import load_model
+    from jaxinfer.model import init_random_params
+    from test_checkpoint import flat, tiny_config, write_gguf
+
+    config = tiny_config(n_heads=8, n_kv_heads=4, head_dim=8, d_model=64)
+    mesh = sharding.make_mesh("data=2,model=4")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_gguf(Path(tmp) / "tiny.gguf", config, flat(init_random_params(config)))
+        placed = sharding.load_sharded(path, mesh)
+        plain = load_model(path, progress=False)
+    wq, wk = placed.params.layers[0].wq, placed.params.layers[0].wk
+    return {"wq_spec": list(wq.sharding.spec), "wq_shard_shape": list(wq.addressable_shards[0].data.shape),
+            "wk_spec": list(wk.sharding.spec),
+            "all_on_mesh": all(a.sharding.mesh.shape == mesh.shape for a in jax.tree.leaves(placed.params)),
+            "equal": all(bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                         for a, b in zip(jax.tree.leaves(placed.params), jax.tree.leaves(plain.params)))}
 
 
 def check_pmap() -> dict:

@@ -61,6 +61,13 @@ def test_orbax_restores_straight_into_shardings(meshes):
     assert o["wq_shard_shape"] == [8 * 8 // 4, 32]  # n_heads * head_dim rows split 4 ways
 
 
+def test_gguf_tensors_are_placed_into_shards_as_they_are_read(meshes):
+    g = meshes["gguf"]
+    assert g["equal"] and g["all_on_mesh"]
+    assert g["wq_spec"] == ["model", None] and g["wk_spec"] == ["model", None]
+    assert g["wq_shard_shape"] == [8 * 8 // 4, 64]
+
+
 def test_bad_meshes_raise_clear_errors(meshes):
     e = meshes["errors"]
     assert "n_heads=6" in e["heads"] and "model=4" in e["heads"]

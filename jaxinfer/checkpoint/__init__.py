@@ -30,21 +30,23 @@ __all__ = [
 _GGUF_MAGIC = b"GGUF"
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
+def load_checkpoint(path: str | os.PathLike, dtype: str = "float32", place=None) -> tuple[ModelConfig, ModelParams]:
     """Load any supported checkpoint, weights in `dtype`. Dispatch, in order:
 
     a file ending in `.gguf` or starting with the GGUF magic -> `load_gguf`
     a directory holding `jaxinfer_checkpoint.json`           -> `load_orbax`
     a directory with config.json + model.safetensors[.index.json] -> `load_hf_dir`
+
+    `place(config, name, array)` (GGUF and HF only) puts each tensor on its devices as it is read.
     """
     path = Path(path)
     if path.is_file():
         if path.suffix == ".gguf" or _starts_with(path, _GGUF_MAGIC):
-            return load_gguf(path, dtype=dtype)
+            return load_gguf(path, dtype=dtype, place=place)
     elif is_orbax_dir(path):
         return load_orbax(path, dtype=dtype)
     elif is_hf_dir(path):
-        return load_hf_dir(path, dtype=dtype)
+        return load_hf_dir(path, dtype=dtype, place=place)
     elif not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     raise CheckpointError(

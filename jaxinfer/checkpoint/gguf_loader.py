@@ -52,7 +52,7 @@ _REQUIRED = object()  # `field` default: a missing key is an error
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
-def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
+def load_gguf(path: str | os.PathLike, dtype: str = "float32", place=None) -> tuple[ModelConfig, ModelParams]:
     """Read config and weights from a GGUF file; weights come back in HF layout, in `dtype`.
 
     Supports `general.architecture` `llama` (also Mistral files) and `qwen2`. Raises
@@ -76,7 +76,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelCon
         return array
 
     with as_checkpoint_error(path):
-        return config, build_params(config, get)
+        return config, build_params(config, get, place=place)
 
 
 def open_gguf_checked(path: Path) -> gguf.GGUFReader:

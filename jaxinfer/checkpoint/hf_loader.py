@@ -65,7 +65,7 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
     )
 
 
-def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelConfig, ModelParams]:
+def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> tuple[ModelConfig, ModelParams]:
     """Read `config.json` and `model.safetensors` (or the shards listed in
     `model.safetensors.index.json`) from an HF model directory; weights come back in `dtype`.
 
@@ -101,7 +101,7 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32") -> tuple[ModelC
                 raise CheckpointError(f"{file}: tensor {tensor_name!r}: {error}") from error
 
         with as_checkpoint_error(path):
-            return config, build_params(config, get)
+            return config, build_params(config, get, place=place)
 
 
 def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) -> ModelConfig:

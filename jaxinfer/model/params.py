@@ -114,12 +114,14 @@ def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                      "wq_b": (h * m.qk_head_dim, m.q_lora_rank)}
 
 
-def build_params(config: ModelConfig, get, *, dtype=None) -> ModelParams:
+def build_params(config: ModelConfig, get, *, dtype=None, place=None) -> ModelParams:
     """Assemble `ModelParams` from a lookup `get(name, shape) -> np.ndarray`.
 
     Names are `embed`, `final_norm`, `lm_head` and `layers.{i}.{field}`. Every loader
     (GGUF, HF, random init) goes through here, so shape checks live in one place:
-    a mismatch raises `ValueError` naming the tensor.
+    a mismatch raises `ValueError` naming the tensor. `place(config, name, array)` puts
+    each tensor where it belongs as soon as it is read (e.g. straight into its shards on
+    a mesh: `jaxinfer.sharding.placer`); default: the default device.
     """
     dtype = jnp.dtype(dtype or config.dtype)
 
@@ -127,6 +129,8 @@ def build_params(config: ModelConfig, get, *, dtype=None) -> ModelParams:
         array = np.asarray(get(name, shape))
         if array.shape != shape:
             raise ValueError(f"tensor {name!r} has shape {array.shape}, expected {shape}")
+        if place is not None:
+            return place(config, name, array.astype(dtype))
         return jnp.asarray(array, dtype=dtype)
 
     layer_shapes = expected_shapes(config)
