@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 NEG_INF = -jnp.inf
+MAX_LOGPROBS = 5  # top alternatives every step computes (static: one compiled shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     speculative: bool = True  # False: never use draft tokens (when the engine speculates)
+    logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
 
     def __post_init__(self) -> None:
         _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -49,6 +51,9 @@ class SamplingParams:
         ids = tuple(self.stop_token_ids)
         _check(all(isinstance(i, int) and i >= 0 for i in ids), f"stop_token_ids={self.stop_token_ids!r} must be integers >= 0")
         _check(isinstance(self.speculative, bool), f"speculative={self.speculative!r} must be a bool")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
 
@@ -109,6 +114,28 @@ def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     min_p_th = desc[:, :1] + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]
     threshold = jnp.maximum(jnp.maximum(kth, pth), jnp.where(s.min_p[:, None] > 0, min_p_th, NEG_INF))
     return jnp.where(x >= threshold, x, NEG_INF)
+
+
+@struct.dataclass
+class TokenLogprobs:
+    """Log-probabilities of emitted tokens and their top alternatives, for any leading shape [...]."""
+
+    logprob: jax.Array  # f32[...]: the emitted token's
+    top_ids: jax.Array  # i32[..., MAX_LOGPROBS]: most likely tokens, most likely first
+    top_logprobs: jax.Array  # f32[..., MAX_LOGPROBS]: their logprobs, descending
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """f32[..., V], i32[...] -> TokenLogprobs[...] of the model's raw distribution.
+
+    vLLM's convention: `log_softmax` of the raw logits, before temperature, top-k, top-p
+    and min-p, so a token's logprob does not depend on how it was sampled (a greedy and a
+    sampled request report the same numbers for the same context).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    return TokenLogprobs(logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
 
 
 def row_keys(seed: jax.Array, position: jax.Array) -> jax.Array:

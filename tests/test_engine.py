@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.draft_model import DraftModel
+from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.engine.step import engine_step
+from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.kv.paged_state import NULL_PAGE
 from jaxinfer.loading import Model
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model import forward
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 from tiny_models import tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -242,3 +246,69 @@ def test_quantized_kv_cache_through_the_engine(model):
     assert agree >= 0.9, agree  # int8 error is below half a step per element
     with pytest.raises(ValueError, match="int7"):
         engine(model, kv_cache="int7")
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+
+
+def reference_logprobs(model, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """log_softmax (float64, numpy) of the raw logits before each generated token, from one
+    `forward` over the whole sequence: f64[len(generated), V]."""
+    seq = np.asarray([prompt + generated[:-1]], np.int32)
+    spec = KVCacheSpec.for_batch(1, seq.shape[1], page_size=8)
+    kv = init_paged_kv(model.config, spec)
+    kv = kv.replace(block_tables=jnp.arange(1, spec.num_pages, dtype=jnp.int32).reshape(1, -1))
+    logits, _ = forward(model.params, model.config, jnp.asarray(seq), jnp.arange(seq.shape[1])[None], kv)
+    x = np.asarray(logits[0, len(prompt) - 1 :], np.float64)
+    x -= x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def check_logprobs(model, prompt, out, n: int) -> None:
+    """Each token's logprob and its top n equal the reference within 1e-5; top n sorted, argmax first."""
+    ref = reference_logprobs(model, prompt, out.token_ids)
+    assert len(out.logprobs) == len(out.top_logprobs) == len(out.token_ids)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(len(ref)), out.token_ids], rtol=0, atol=1e-5)
+    for row, top in zip(ref, out.top_logprobs):
+        ids, values = [i for i, _ in top], [v for _, v in top]
+        assert len(top) == n and values == sorted(values, reverse=True)
+        if n:
+            assert ids[0] == int(np.argmax(row))
+        np.testing.assert_allclose(values, np.sort(row)[::-1][:n], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(values, row[ids], rtol=0, atol=1e-5)
+
+
+LOGPROB_PROMPTS = [prompts(1, seed=17, lo=13, hi=14)[0], prompts(1, seed=18, lo=21, hi=22)[0]]  # chunks 8 + 5, 8 + 8 + 5
+LOGPROB_PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=MAX_LOGPROBS),
+                  SamplingParams(temperature=0.7, top_k=20, seed=3, max_tokens=12, ignore_eos=True, logprobs=2)]
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits(model):
+    """Greedy and sampled (temperature/top-k do not change the reported numbers), the first
+    token from a prefill row and the rest from decode; requests that did not ask get None."""
+    eng = engine(model)
+    outs = eng.generate(LOGPROB_PROMPTS + [LOGPROB_PROMPTS[0]], LOGPROB_PARAMS + [GREEDY])
+    for prompt, sp, out in zip(LOGPROB_PROMPTS, LOGPROB_PARAMS, outs):
+        check_logprobs(model, prompt, out, sp.logprobs)
+    assert outs[2].logprobs is None and outs[2].top_logprobs is None
+    zero = eng.generate(LOGPROB_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, logprobs=0))[0]
+    assert zero.top_logprobs == [[]] * 3
+    np.testing.assert_allclose(zero.logprobs, outs[0].logprobs[:3], rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=MAX_LOGPROBS + 1)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=True)
+
+
+def test_speculative_logprobs_equal_plain_ones(model):
+    """A draft equal to the target accepts every draft: each emitted token of a k + 1 block
+    (accepted drafts included) reports the same logprob as plain decoding."""
+    spec = engine(model, speculative=SpeculativeConfig("draft", 3, draft=DraftModel(model.config, model.params)))
+    outs = spec.generate(LOGPROB_PROMPTS, LOGPROB_PARAMS)
+    assert spec.metrics().speculative.accepted.sum() > 0
+    for prompt, sp, out in zip(LOGPROB_PROMPTS, LOGPROB_PARAMS, outs):
+        check_logprobs(model, prompt, out, sp.logprobs)
+    plain = engine(model).generate(LOGPROB_PROMPTS[:1], LOGPROB_PARAMS[:1])[0]
+    assert outs[0].token_ids == plain.token_ids
+    np.testing.assert_allclose(outs[0].logprobs, plain.logprobs, rtol=0, atol=1e-5)
+    assert [[i for i, _ in top] for top in outs[0].top_logprobs] == [[i for i, _ in top] for top in plain.top_logprobs]

@@ -35,7 +35,7 @@ from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.config import ModelConfig
 from jaxinfer.draft_model import DraftModel, check_draft_compatible, self_draft
 from jaxinfer.loading import Model
-from jaxinfer.sampling import SamplingArrays, SamplingParams
+from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 
 
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
@@ -252,17 +252,23 @@ class Engine:
         if plan.empty:
             return []
         drafts = self._draft_batch(plan) if self.spec_stats else None
-        blocks, accepted, prefill_next = self._run(self._batch(plan), drafts)
+        blocks, accepted, prefill_next, logprobs = self._run(self._batch(plan), drafts)
         kept = [int(accepted[r.slot]) for r in plan.decode]
         self.scheduler.commit(plan, kept)
         self._steps += 1
         now = time.perf_counter()
-        emitted = [(r, blocks[r.slot, : n + 1].tolist()) for r, n in zip(plan.decode, kept)]
-        emitted += [(r, [int(prefill_next[i])]) for i, (r, _) in enumerate(plan.prefill) if r.pending == 0]
+        # (request, tokens, its row in the logprob arrays: decode [B] / blocks [B, k + 1], or prefill [P])
+        emitted = [(r, blocks[r.slot, : n + 1].tolist(), (0, r.slot)) for r, n in zip(plan.decode, kept)]
+        emitted += [(r, [int(prefill_next[i])], (1, i)) for i, (r, _) in enumerate(plan.prefill) if r.pending == 0]
+        wanted = any(r.params.logprobs is not None for r, _, _ in emitted)
+        host_logprobs = jax.device_get(logprobs) if wanted else None
         outputs = []
-        for i, (req, tokens) in enumerate(emitted):
+        for i, (req, tokens, (source, row)) in enumerate(emitted):
             for count, token in enumerate(tokens, 1):
-                req.append_token(token, now)
+                lp = None
+                if req.params.logprobs is not None:
+                    lp = _logprob_at(host_logprobs[source], row, count - 1, req.params.logprobs)
+                req.append_token(token, now, lp)
                 if req.finish_reason is not None:
                     break
             if drafts is not None and i < len(plan.decode):
@@ -275,13 +281,16 @@ class Engine:
             outputs.append(req.take_output())
         return outputs
 
-    def _run(self, batch: StepBatch, drafts: DraftBatch | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """Run the jitted step -> (tokens i32[B, k + 1], accepted i32[B], prefill tokens i32[P]).
-        Slot b emits tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
+    def _run(self, batch: StepBatch, drafts: DraftBatch | None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[TokenLogprobs, TokenLogprobs | None]]:
+        """Run the jitted step -> (tokens i32[B, k + 1], accepted i32[B], prefill tokens i32[P],
+        (logprobs [B] or [B, k + 1] when speculating, prefill logprobs [P]) left on the device:
+        fetched only when a request asks for them). Slot b emits tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
         m = self.model
         if drafts is None:
             self.kv, out = self._step(m.params, m.config, self.kv, self._place(batch), attention_impl=self.config.attention_impl)
             tokens, accepted = np.asarray(out.decode_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
+            logprobs = out.decode_logprobs
         else:
             d = self.draft
             self.kv, self.draft_kv, out = speculative_step(
@@ -289,8 +298,9 @@ class Engine:
                 None if d is None or d.vocab_ids is None else np.asarray(d.vocab_ids, np.int32), self.draft_kv,
                 draft_config=None if d is None else d.config, shared_layers=0 if d is None else d.shares_target_layers,
                 attention_impl=self.config.attention_impl)
-            tokens, accepted = np.asarray(out.tokens), np.asarray(out.num_accepted)
-        return tokens, accepted, None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
+            tokens, accepted, logprobs = np.asarray(out.tokens), np.asarray(out.num_accepted), out.logprobs
+        prefill = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
+        return tokens, accepted, prefill, (logprobs, out.prefill_logprobs)
 
     def _draft_batch(self, plan: SchedulePlan) -> DraftBatch:
         """How many drafts each decoding slot verifies; n-gram drafts are proposed here."""
@@ -429,6 +439,14 @@ class Engine:
             preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._jitted._cache_size(),
             speculative=copy.deepcopy(self.spec_stats),
         )
+
+
+def _logprob_at(lp: TokenLogprobs, row: int, j: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """Token j of a row's block (j = 0 where the arrays have no block axis) from host arrays
+    -> (its logprob, its n top alternatives as (id, logprob))."""
+    index = (row, j) if lp.logprob.ndim == 2 else (row,)
+    ids, values = lp.top_ids[index][:n].tolist(), lp.top_logprobs[index][:n].tolist()
+    return float(lp.logprob[index]), list(zip(ids, values))
 
 
 def release_window(config: ModelConfig) -> int | None:

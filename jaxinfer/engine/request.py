@@ -54,6 +54,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics
+    # With SamplingParams.logprobs set (else None), one entry per token of `token_ids`: its
+    # logprob, and its most likely alternatives as (token id, logprob), most likely first.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Request:
@@ -73,6 +77,9 @@ class Request:
         self.eos_ids = eos_ids
         self.cache_salt = cache_salt
         self.generated: list[int] = []
+        wants_logprobs = params.logprobs is not None
+        self.logprobs: list[float] | None = [] if wants_logprobs else None  # per generated token
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if wants_logprobs else None
         self.num_computed = 0
         self.pages: list[int] = []
         self.num_registered_pages = 0  # leading pages already entered in the prefix cache
@@ -100,10 +107,14 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token: int, now: float) -> None:
-        """Record a sampled token and decide whether the request is done."""
+    def append_token(self, token: int, now: float, logprob: tuple[float, list[tuple[int, float]]] | None = None) -> None:
+        """Record a sampled token (with its logprob and top alternatives when the request
+        asked for them) and decide whether the request is done."""
         p = self.params
         self.generated.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob[0])
+            self.top_logprobs.append(logprob[1])
         m = self.metrics
         m.num_generated_tokens += 1
         m.first_token_time = m.first_token_time or now
@@ -137,4 +148,6 @@ class Request:
             request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=list(self.generated),
             text=self.text[:end], delta_token_ids=delta_ids, delta_text=delta_text, finished=done,
             finish_reason=self.finish_reason, metrics=self.metrics,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
         )

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.step import StepBatch, prefill_groups, sample_prefill
+from jaxinfer.engine.step import StepBatch, prefill_groups, prefill_logprobs, sample_prefill
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
-from jaxinfer.sampling import SamplingArrays, filter_logits, row_keys
+from jaxinfer.sampling import SamplingArrays, TokenLogprobs, filter_logits, row_keys, token_logprobs
 from jaxinfer.speculative import verify_step
 
 
@@ -48,6 +48,8 @@ class SpeculativeOutput:
     tokens: jax.Array  # i32[max_slots, k + 1]: slot b emits tokens[b, : num_accepted[b] + 1]
     num_accepted: jax.Array  # i32[max_slots]: drafts kept per slot
     prefill_tokens: jax.Array | None  # i32[P]: next token after each prefill row's chunk
+    logprobs: TokenLogprobs  # [max_slots, k + 1]: of tokens[b, j] under the target's raw p_j
+    prefill_logprobs: TokenLogprobs | None  # [P]: of prefill_tokens
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "shared_layers", "attention_impl"),
@@ -62,7 +64,11 @@ def speculative_step(
     attention_impl: str = "reference",
 ) -> tuple[PagedKVState, PagedKVState | None, SpeculativeOutput]:
     """Propose, run the target over every slot's block and the prefill rows, verify; donates
-    both caches. Block tables and lengths are host-owned, as in `engine_step`."""
+    both caches. Block tables and lengths are host-owned, as in `engine_step`.
+
+    Every position j of a block gets the logprob of `tokens[b, j]` under the target's raw
+    distribution there (log_softmax of its logits, before temperature/top-k/top-p, as in
+    `engine_step`), so accepted drafts and the correction/bonus token each get their own."""
     host_owned = (kv.block_tables, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
     num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[B]
@@ -97,7 +103,9 @@ def speculative_step(
     num_accepted, tokens = verify_step(logits[0], draft, draft_probs, num_draft, batch.sampling, verify_keys)
     prefill_next = sample_prefill(logits, batch, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
-    return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next)
+    return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
+                                           logprobs=token_logprobs(logits[0], tokens),
+                                           prefill_logprobs=prefill_logprobs(logits, prefill_next))
 
 
 def propose_drafts(

@@ -19,7 +19,7 @@ from flax import struct
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
-from jaxinfer.sampling import SamplingArrays, sample_tokens
+from jaxinfer.sampling import SamplingArrays, TokenLogprobs, sample_tokens, token_logprobs
 
 
 @struct.dataclass
@@ -43,6 +43,8 @@ class StepBatch:
 class StepOutput:
     decode_tokens: jax.Array  # i32[max_slots]: next token per slot (meaningful where active)
     prefill_tokens: jax.Array | None  # i32[P]: next token after each row's chunk
+    decode_logprobs: TokenLogprobs  # [max_slots]: of decode_tokens (raw distribution)
+    prefill_logprobs: TokenLogprobs | None  # [P]: of prefill_tokens
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention_impl"), donate_argnames=("kv",))
@@ -55,7 +57,8 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
 
     The sampled token of a row is keyed by (seed, its future cache position), so a request
     draws the same tokens whether it decodes, prefills in chunks or is recomputed after
-    preemption.
+    preemption. Each sampled token comes with its logprob and the top `MAX_LOGPROBS`
+    alternatives under the model's raw distribution (`sampling.token_logprobs`).
     """
     host_owned = (kv.block_tables, kv.lengths)  # returned untouched: the host tracks both
     kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
@@ -68,7 +71,9 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     decode_next = sample_tokens(logits[0], batch.sampling, kv.lengths)
     prefill_next = sample_prefill(logits, batch, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
-    return kv, StepOutput(decode_tokens=decode_next, prefill_tokens=prefill_next)
+    return kv, StepOutput(decode_tokens=decode_next, prefill_tokens=prefill_next,
+                          decode_logprobs=token_logprobs(logits[0], decode_next),
+                          prefill_logprobs=prefill_logprobs(logits, prefill_next))
 
 
 def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:
@@ -89,3 +94,8 @@ def sample_prefill(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths:
         return None
     rows = jax.tree.map(lambda a: a[batch.prefill.slots], batch.sampling)
     return sample_tokens(logits[1], rows, new_lengths[batch.prefill.slots])
+
+
+def prefill_logprobs(logits: tuple[jax.Array, ...], prefill_next: jax.Array | None) -> TokenLogprobs | None:
+    """Logprobs of each prefill row's next token (`logits[1]`: f32[P, V]), or None."""
+    return None if prefill_next is None else token_logprobs(logits[1], prefill_next)
