@@ -136,6 +136,8 @@ def test_shipped_draft_loads_and_beats_its_init(smollm2_gguf):
         return float(np.mean(d.vocab_ids[np.asarray(jnp.argmax(dt.dense_logits(d.params, d.config, tokens), -1))]
                              == teacher))
 
+    # 70 positions, about half of them the (memorised) system prompt; measured when shipped:
+    # trained 41/70 = 0.586, untrained 3/70 = 0.043.
     init = dt.init_draft(target, n, draft.vocab_ids)
     trained_top1, init_top1 = agreement(draft), agreement(init)
-    assert trained_top1 > init_top1 + 0.15, (trained_top1, init_top1)
+    assert trained_top1 > 0.5 and init_top1 < 0.1, (trained_top1, init_top1)
