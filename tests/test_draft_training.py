@@ -100,6 +100,23 @@ def test_tiny_end_to_end_run_learns_and_round_trips(tmp_path):
     assert dt.read_draft_info(path)["training"]["tokens"] == figures["tokens"]
 
 
+def test_draft_runs_through_the_paged_forward_over_its_subset():
+    target = tiny_target()
+    draft = dt.init_draft(target, 1, np.arange(40, 56, dtype=np.int32))
+    tokens = random_tokens((2, 16), target.config.vocab_size, seed=5)
+    spec = KVCacheSpec(num_pages=6, page_size=8, max_slots=2, max_pages_per_seq=2)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+    kv = kv_with_pages(draft.config, spec, [[1, 2], [3, 4]])
+    paged, _ = forward(draft.params, draft.config, jnp.asarray(tokens), positions, kv)
+    assert paged.shape == (2, 16, 16)  # logit i scores token vocab_ids[i]
+    np.testing.assert_allclose(dt.dense_logits(draft.params, draft.config, jnp.asarray(tokens)), paged,
+                               rtol=1e-5, atol=1e-5)
+    # the head is the target's head rows: subset logits are the full model's logits at vocab_ids
+    full = dt.dense_logits(dataclasses.replace(draft.params, lm_head=target.params.lm_head), draft.config,
+                           jnp.asarray(tokens))
+    np.testing.assert_allclose(paged, full[..., 40:56], rtol=1e-5, atol=1e-5)
+
+
 def test_load_rejects_a_mismatching_target(tmp_path):
     target = tiny_target()
     draft = dt.init_draft(target, 1, np.arange(16, dtype=np.int32))
