@@ -272,6 +272,30 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} has no entry in the vocabulary")
         return token
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (OpenAI's logprob `bytes`).
+
+        A byte-level BPE piece spells each byte as one character of GPT-2's alphabet and may
+        hold part of a UTF-8 character ("…" = b"\\xe2\\x80\\xa6" can be two tokens), so its
+        bytes need not decode on their own. SentencePiece pieces use "▁" for a space and
+        `<0xXX>` for a fallback byte. Other tokens (special ones) give their text as UTF-8.
+        """
+        piece = self.id_to_token(token_id)
+        if isinstance(self.backend.decoder, decoders.ByteLevel):
+            if all(c in _UNICODE_TO_BYTE for c in piece):
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            return piece.encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace(_SPM_SPACE, " ").encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """`token_bytes` as text; bytes that are not valid UTF-8 on their own become U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     @property
     def bos_token(self) -> str | None:
         return None if self.bos_id is None else self.backend.id_to_token(self.bos_id)
@@ -545,6 +569,9 @@ def _byte_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
 
 
 def _bos_eos_processor(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None):

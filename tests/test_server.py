@@ -8,6 +8,8 @@ shapes, so the two step programs are compiled once for the whole file.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import random
 import re
@@ -20,7 +22,8 @@ import openai
 import pytest
 
 from jaxinfer.checkpoint import save_orbax
-from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.draft_model import DraftModel
+from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.server import build_server, create_app
@@ -179,6 +182,12 @@ BAD = [
     ({"json": {"model": NAME, "prompt": "word " * MAX_LEN}}, "prompt", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "max_tokens": MAX_LEN}}, "max_tokens", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": [10**6]}}, "prompt", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "logprobs": 6}}, "logprobs", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "logprobs": -1}}, "logprobs", "/v1/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6}},
+     "top_logprobs", "/v1/chat/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}}, "top_logprobs",
+     "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
@@ -326,3 +335,116 @@ def test_sigterm_drains_and_exits_with_status_zero(model):
     finally:
         proc.kill()
         proc.wait()
+
+
+# ---- logprobs and speculative metrics ------------------------------------------------------------
+
+
+def engine_output(model, ids, params):
+    return Engine(model, ENGINE).generate([ids], params)[0]
+
+
+def sse_events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=T) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def check_completion_logprobs(lp: dict, tok, want) -> None:
+    """The legacy object equals the engine's per-token logprobs (`want`: a RequestOutput)."""
+    texts = [tok.token_text(i) for i in want.token_ids]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert lp["tokens"] == texts
+    assert lp["text_offset"] == list(itertools.accumulate(map(len, texts), initial=0))[:-1]
+    assert lp["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-5)
+    assert [list(d.values()) for d in lp["top_logprobs"]] == [
+        pytest.approx([v for _, v in alts], abs=1e-5) for alts in want.top_logprobs]
+    assert [list(d) for d in lp["top_logprobs"]] == [[tok.token_text(i) for i, _ in alts] for alts in want.top_logprobs]
+
+
+def test_completion_logprobs_equal_engine(srv, model):
+    tok = model.tokenizer
+    want = engine_output(model, tok.encode("The quick brown fox"),
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3))
+    body = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 3}
+    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=T).json()
+    check_completion_logprobs(r["choices"][0]["logprobs"], tok, want)
+    chunks = [e["choices"][0]["logprobs"] for e in sse_events(f"{srv.url}/v1/completions", body) if e["choices"]]
+    merged = {key: [x for c in chunks for x in c[key]] for key in chunks[0]}
+    assert all(c["tokens"] for c in chunks)  # each chunk carries its own tokens
+    check_completion_logprobs(merged, tok, want)
+    plain = httpx.post(f"{srv.url}/v1/completions", json=body | {"logprobs": None}, timeout=T).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_equal_engine(srv, model):
+    tok = model.tokenizer
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    want = engine_output(model, ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    body = {"model": NAME, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=T).json()
+    content = r["choices"][0]["logprobs"]["content"]
+
+    def entry(token_id):
+        return {"token": tok.token_text(token_id), "bytes": list(tok.token_bytes(token_id))}
+
+    assert len(content) == len(want.token_ids)
+    for got, token_id, logprob, alts in zip(content, want.token_ids, want.logprobs, want.top_logprobs):
+        assert set(got) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert {k: got[k] for k in ("token", "bytes")} == entry(token_id)
+        assert got["logprob"] == pytest.approx(logprob, abs=1e-5)
+        assert [{k: a[k] for k in ("token", "bytes")} for a in got["top_logprobs"]] == [entry(i) for i, _ in alts]
+        assert [a["logprob"] for a in got["top_logprobs"]] == pytest.approx([v for _, v in alts], abs=1e-5)
+    streamed = [e["choices"][0]["logprobs"] for e in sse_events(f"{srv.url}/v1/chat/completions", body)]
+    assert [x for lp in streamed if lp for x in lp["content"]] == content
+    off = httpx.post(f"{srv.url}/v1/chat/completions", json=body | {"logprobs": False, "top_logprobs": None}, timeout=T)
+    assert off.json()["choices"][0]["logprobs"] is None
+
+
+def test_token_bytes_of_a_split_utf8_character(model):
+    """A byte-level piece may hold part of a character: its text shows U+FFFD, its bytes are raw."""
+    tok = model.tokenizer
+    ids = tok.encode("日本語のテキスト🙂", add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode("utf-8") == "日本語のテキスト🙂"
+    split = [p for p in pieces if not _valid_utf8(p)]
+    assert split and all("\ufffd" in tok.token_text(i) for i, p in zip(ids, pieces) if p in split)
+
+
+def _valid_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_speculative_server_metrics_and_logprobs(srv, model):
+    """/metrics exports the draft statistics of a speculating engine (and a plain one has none);
+    logprobs through it equal the plain server's."""
+    assert "jaxinfer_spec_" not in httpx.get(f"{srv.url}/metrics").text
+    draft = SpeculativeConfig("draft", 3, draft=DraftModel(model.config, model.params))  # always accepted
+    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, speculative=draft), NAME, warmup=False))
+    try:
+        body = {"model": NAME, "prompt": "one two three", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "logprobs": 2}
+        spec = httpx.post(f"{s.url}/v1/completions", json=body, timeout=T).json()["choices"][0]["logprobs"]
+        plain = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=T).json()["choices"][0]["logprobs"]
+        assert spec["tokens"] == plain["tokens"]
+        assert spec["token_logprobs"] == pytest.approx(plain["token_logprobs"], abs=1e-5)
+        s.wait_idle()
+        stats = s.server.loop.snapshot.speculative
+        assert stats.drafted.sum() > 0 and stats.acceptance_rate == 1.0
+        assert s.metric("jaxinfer_spec_draft_tokens_total") == stats.drafted.sum()
+        assert s.metric("jaxinfer_spec_accepted_tokens_total") == stats.accepted.sum()
+        assert s.metric("jaxinfer_spec_acceptance_rate") == pytest.approx(stats.acceptance_rate)
+        assert s.metric("jaxinfer_spec_tokens_per_call") == pytest.approx(stats.tokens_per_call)
+        text = httpx.get(f"{s.url}/metrics").text
+        for i, a in enumerate(stats.acceptance_per_position):
+            line = re.search(rf'^jaxinfer_spec_acceptance{{position="{i}"}} (\S+)$', text, re.M)
+            assert line and (line.group(1) == "NaN" if a != a else float(line.group(1)) == pytest.approx(a))
+    finally:
+        s.stop()

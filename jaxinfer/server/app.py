@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, tokens_of
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorBody, _Common, new_id, now,
                                       usage)
@@ -73,8 +74,10 @@ class OpenAIServer:
         return ids
 
     def params(self, body: _Common, ids: list[int], default_max_tokens: int | None):
-        if body.logprobs not in (None, False, 0):
-            raise ErrorBody(400, "logprobs is not supported by this server", param="logprobs")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise ErrorBody(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if body.num_logprobs is not None:
+            self._tokenizer("logprobs")  # token strings need it
         if getattr(body, "echo", False):
             raise ErrorBody(400, "echo is not supported by this server", param="echo")
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None and body.max_tokens is None:
@@ -150,15 +153,23 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
             d["usage"] = use
         return d
 
+    wants_logprobs = body.num_logprobs is not None
+
+    def logprobs(out, offset=0, new_only=True):
+        if not wants_logprobs:
+            return None, offset
+        return completion_logprobs(server.tokenizer, *tokens_of(out, new_only), offset)
+
     if body.stream:
         async def stream():
-            generated = 0
+            generated, offsets = 0, [0] * len(rids)
             async for _, index, out in server.events(raw, sink, rids):
                 if out is None:
                     continue
                 generated += len(out.delta_token_ids)
-                if out.delta_text or out.finished:
-                    yield _sse(chunk([{"index": index, "text": out.delta_text, "logprobs": None,
+                if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
+                    lp, offsets[index] = logprobs(out, offsets[index])
+                    yield _sse(chunk([{"index": index, "text": out.delta_text, "logprobs": lp,
                                        "finish_reason": out.finish_reason if out.finished else None}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
@@ -166,7 +177,8 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     finals = await _collect(server, raw, sink, rids)
-    choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason} for i, o in finals]
+    choices = [{"index": i, "text": o.text, "logprobs": logprobs(o, new_only=False)[0], "finish_reason": o.finish_reason}
+               for i, o in finals]
     return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
 
@@ -185,6 +197,9 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             d["usage"] = use
         return d
 
+    def logprobs(out, new_only=True):
+        return chat_logprobs(server.tokenizer, *tokens_of(out, new_only)) if body.logprobs else None
+
     if body.stream:
         async def stream():
             for i in range(len(rids)):
@@ -195,8 +210,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                 if out is None:
                     continue
                 generated += len(out.delta_token_ids)
-                if out.delta_text:
-                    yield _sse(chunk([{"index": index, "delta": {"content": out.delta_text}, "logprobs": None,
+                if out.delta_text or (body.logprobs and out.delta_token_ids):
+                    yield _sse(chunk([{"index": index, "delta": {"content": out.delta_text}, "logprobs": logprobs(out),
                                        "finish_reason": None}]))
                 if out.finished:
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
@@ -207,7 +222,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     finals = await _collect(server, raw, sink, rids)
-    choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+    choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs(o, new_only=False),
                 "finish_reason": o.finish_reason} for i, o in finals]
     return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}

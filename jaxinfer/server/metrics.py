@@ -9,7 +9,10 @@ from __future__ import annotations
 import bisect
 import threading
 
+import math
+
 from jaxinfer.engine import EngineMetrics
+from jaxinfer.engine.speculation import SpeculativeStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -68,6 +71,8 @@ class ServerMetrics:
         lines += _scalar("gauge", "jaxinfer_requests_outstanding", "Requests accepted and not yet finished.", queued)
         if engine is not None:
             lines += _engine_lines(engine)
+            if engine.speculative is not None:
+                lines += _speculative_lines(engine.speculative)
         return "\n".join(lines) + "\n"
 
 
@@ -84,6 +89,26 @@ def _engine_lines(m: EngineMetrics) -> list[str]:
         *_scalar("counter", "jaxinfer_preemptions_total", "Requests preempted for pages.", m.preemptions),
         *_scalar("counter", "jaxinfer_engine_steps_total", "Engine steps run.", m.steps),
     ]
+
+
+def _speculative_lines(s: SpeculativeStats) -> list[str]:
+    name = "jaxinfer_spec_acceptance"
+    per_position = [f'{name}{{position="{i}"}} {_number(a)}' for i, a in enumerate(s.acceptance_per_position)]
+    return [
+        *_scalar("counter", "jaxinfer_spec_draft_tokens_total", "Draft tokens verified by the target.", int(s.drafted.sum())),
+        *_scalar("counter", "jaxinfer_spec_accepted_tokens_total", "Draft tokens accepted.", int(s.accepted.sum())),
+        *_scalar("gauge", "jaxinfer_spec_acceptance_rate", "Accepted / verified draft tokens.", s.acceptance_rate),
+        *_scalar("gauge", "jaxinfer_spec_tokens_per_call", "Tokens emitted per target forward of a decoding row.",
+                 s.tokens_per_call),
+        f"# HELP {name} P(draft i accepted | verified), i = 0 for the first draft; NaN until one is verified.",
+        f"# TYPE {name} gauge",
+        *per_position,
+    ]
+
+
+def _number(value: float) -> str:
+    """A sample value as Prometheus writes it (NaN, not Python's nan)."""
+    return "NaN" if math.isnan(value) else repr(value)
 
 
 def _scalar(kind: str, name: str, help_text: str, value: float) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class ErrorBody(Exception):
@@ -50,7 +50,6 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None  # extra; defaults to `user`: tenants never share prefix pages
-    logprobs: Any = None
 
     def sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
         """One SamplingParams per choice (choice i of a seeded request uses seed + i)."""
@@ -58,9 +57,15 @@ class _Common(BaseModel):
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         base = dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                     min_p=self.min_p, max_tokens=max_tokens, stop=tuple(stop),
-                    stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos)
+                    stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                    logprobs=self.num_logprobs)
         seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**32 for i in range(self.n)]
         return [SamplingParams(seed=s, **base) for s in seeds]
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: None (off) or the number of top alternatives."""
+        return None
 
     @property
     def salt(self) -> str | None:
@@ -74,6 +79,11 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -91,6 +101,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs=true
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def new_id(prefix: str) -> str:

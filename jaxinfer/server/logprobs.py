@@ -1,0 +1,45 @@
+"""The OpenAI `logprobs` objects, from the per-token logprobs of a `RequestOutput`.
+
+Completions (legacy)::
+
+    {"tokens": ["Hello", " world"], "token_logprobs": [-0.1, -2.3],
+     "top_logprobs": [{"Hello": -0.1, "Hi": -2.5}, ...], "text_offset": [0, 5]}
+
+Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+A token's text is its bytes decoded on their own: a byte-level piece holding part of a UTF-8
+character shows U+FFFD there, and `bytes` (chat) keeps the raw bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from jaxinfer.engine import RequestOutput
+from jaxinfer.tokenizer import Tokenizer
+
+
+def tokens_of(out: RequestOutput, new_only: bool) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+    """Ids, logprobs and top alternatives of the output's tokens (only those new in it: a stream chunk)."""
+    ids = out.delta_token_ids if new_only else out.token_ids
+    start = len(out.token_ids) - len(ids)
+    return ids, out.logprobs[start:], out.top_logprobs[start:]
+
+
+def completion_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]],
+                        offset: int = 0) -> tuple[dict, int]:
+    """-> (the legacy object, the text offset after these tokens); `offset` is where they start."""
+    texts = [tok.token_text(i) for i in ids]
+    starts = list(itertools.accumulate((len(t) for t in texts), initial=offset))
+    obj = {"tokens": texts, "token_logprobs": logprobs,
+           "top_logprobs": [{tok.token_text(i): v for i, v in alts} for alts in top], "text_offset": starts[:-1]}
+    return obj, starts[-1]
+
+
+def chat_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+    return {"content": [_entry(tok, i, v) | {"top_logprobs": [_entry(tok, a, w) for a, w in alts]}
+                        for i, v, alts in zip(ids, logprobs, top)]}
+
+
+def _entry(tok: Tokenizer, token_id: int, logprob: float) -> dict:
+    raw = tok.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
