@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   jaxinfer generate --raw --temperature 0.8 --seed 1 "Once upon a time"
   jaxinfer generate --model ./my-llama-dir "Hello"
   jaxinfer generate --mesh data=2,model=4 "Hello"   # 8 devices: 2-way data x 4-way tensor parallel
+  jaxinfer generate --speculative ngram --num-speculative 4 "Repeat: a b c d"   # also self:8, draft
   jaxinfer convert model.gguf ./model-orbax     # orbax reloads faster than GGUF
   jaxinfer serve --port 8000 --api-key sk-local    # OpenAI-compatible API on 127.0.0.1
   jaxinfer calibrate-kv --budget-kl 0.01 --out plan.json   # per-layer KV-cache formats within a KL budget
@@ -34,6 +35,19 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    "or an orbax directory from `jaxinfer convert`; default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight and activation dtype (float32 is fastest on CPU; bfloat16 on GPU/TPU)")
+
+
+def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="SOURCE",
+                   help="speculative decoding: 'ngram' (prompt lookup), 'self:N' (the model's first N layers) or "
+                   "'draft[:DIR]' (a trained draft; default checkpoints/smollm2_draft)")
+    p.add_argument("--num-speculative", type=int, default=4, help="draft tokens verified per step (k)")
+
+
+def _speculative(args: argparse.Namespace):
+    from jaxinfer.engine import SpeculativeConfig
+
+    return None if args.speculative is None else SpeculativeConfig.parse(args.speculative, args.num_speculative)
 
 
 def _add_mesh_flags(p: argparse.ArgumentParser) -> None:
@@ -77,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
     _add_attention_flag(gen)
     gen.add_argument("--stats", action="store_true", help="print the engine metrics at the end")
+    _add_speculative_flags(gen)
     _add_mesh_flags(gen)
 
     conv = sub.add_parser("convert", help="save any loadable model as an orbax checkpoint directory")
@@ -122,16 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: enough for every slot)")
     srv.add_argument("--prefill-chunk", type=int, default=64)
     srv.add_argument("--no-prefix-caching", action="store_true")
+    _add_speculative_flags(srv)
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     return parser
 
 
-def _load(model: str | None, dtype: str):
+def _load(model: str | None, dtype: str, mesh=None):
     from jaxinfer.loading import load_model
+    from jaxinfer.sharding import load_sharded
 
     t0 = time.perf_counter()
     print(f"loading {model or 'the default model'} ...", file=sys.stderr, flush=True)
-    loaded = load_model(model, dtype=dtype)
+    loaded = load_model(model, dtype=dtype) if mesh is None else load_sharded(model, mesh, dtype=dtype)
     print(f"loaded {loaded.source} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return loaded
 
@@ -153,11 +170,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
     prompts = _read_prompts(args)
+    speculative = _speculative(args)
     mesh = _mesh(args)
-    model = _load(args.model, args.dtype)
+    model = _load(args.model, args.dtype, mesh)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
     engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position),
-                                        mesh=mesh, attention_impl=args.attention_impl))
+                                        mesh=mesh, attention_impl=args.attention_impl, speculative=speculative))
     start = time.perf_counter()
     if len(prompts) == 1:
         for piece in engine.stream(prompts[0], params, chat=chat):
@@ -227,11 +245,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from jaxinfer.engine import EngineConfig
     from jaxinfer.server import build_server, serve
 
+    speculative = _speculative(args)
     model = _load(args.model, args.dtype)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=min(args.max_model_len, model.config.max_position),
-                          attention_impl=args.attention_impl)
+                          attention_impl=args.attention_impl, speculative=speculative)
     name = args.served_model_name or args.model or "default"
     print("compiling ...", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue)

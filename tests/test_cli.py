@@ -37,6 +37,8 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
     jaxinfer("convert", str(smollm2_gguf), str(dst))
     from_orbax = jaxinfer("generate", "--model", str(dst), *args)
     assert from_orbax.stdout == from_gguf.stdout
+    speculative = jaxinfer("generate", "--model", str(dst), "--speculative", "ngram", "--num-speculative", "3", *args)
+    assert speculative.stdout == from_gguf.stdout
 
 
 def test_bad_input_exits_with_a_clear_message(tmp_path):
@@ -44,6 +46,8 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     assert missing.returncode == 2 and "nope.gguf" in missing.stderr and "Traceback" not in missing.stderr
     bad_temp = jaxinfer("generate", "--temperature", "-1", "hi", check=False)
     assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
+    bad_draft = jaxinfer("generate", "--speculative", "medusa", "hi", check=False)
+    assert bad_draft.returncode == 2 and "--speculative 'medusa'" in bad_draft.stderr
 
 
 @pytest.mark.slow
