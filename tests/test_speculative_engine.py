@@ -98,18 +98,17 @@ def test_a_request_can_opt_out_and_max_tokens_is_never_exceeded(model):
     assert len(outs[2].token_ids) == 3
 
 
-def test_speculation_compiles_nothing_after_warmup(model):
-    from jaxinfer.engine.speculative_step import speculative_step
-
-    eng = engine(model, draft_sources(model)["draft"], num_pages=TIGHT)
+@pytest.mark.parametrize("source", ["draft", "ngram"])
+def test_speculation_compiles_nothing_after_warmup(model, source):
+    eng = engine(model, draft_sources(model)[source], num_pages=TIGHT)
     eng.warmup()
-    before = speculative_step._cache_size()
+    before = eng.metrics().compiled_programs
     rng = np.random.default_rng(3)
     ps = [rng.integers(0, 97, int(rng.integers(1, 34))).tolist() for _ in range(30)]
     sp = [SamplingParams(temperature=float(rng.choice([0.0, 1.0])), top_k=int(rng.integers(0, 5)),
                          max_tokens=int(rng.integers(1, 30)), ignore_eos=True, seed=i) for i in range(30)]
     eng.generate(ps, sp)
-    assert speculative_step._cache_size() == before
+    assert eng.metrics().compiled_programs == before
 
 
 def test_bad_speculative_configs_are_rejected(model):

@@ -252,6 +252,11 @@ class Engine:
         if plan.empty:
             return []
         drafts = self._draft_batch(plan) if self.spec_stats else None
+        if drafts is not None and self.draft_kv is None and not drafts.num_draft.any():
+            # Nothing to verify (e.g. no n-gram match anywhere): the one-token program is
+            # cheaper than a [max_slots, k + 1] block. Not with a separate draft model,
+            # whose own pages must see every token.
+            drafts = None
         blocks, accepted, prefill_next, logprobs = self._run(self._batch(plan), drafts)
         kept = [int(accepted[r.slot]) for r in plan.decode]
         self.scheduler.commit(plan, kept)
@@ -271,8 +276,8 @@ class Engine:
                 req.append_token(token, now, lp)
                 if req.finish_reason is not None:
                     break
-            if drafts is not None and i < len(plan.decode):
-                self._record_speculation(req, int(drafts.num_draft[req.slot]), kept[i], count)
+            if self.spec_stats and i < len(plan.decode):
+                self._record_speculation(req, 0 if drafts is None else int(drafts.num_draft[req.slot]), kept[i], count)
             if req.finish_reason is not None:
                 req.metrics.finished_time = now
                 self.finished_metrics.append(req.metrics)
@@ -322,21 +327,24 @@ class Engine:
         for stats in (req.metrics.speculative, self.spec_stats):
             stats.record(num_draft, num_accepted, emitted)
 
-    @property
-    def _jitted(self):
-        return speculative_step if self.spec_stats else self._step
+    def _compiled_programs(self) -> int:
+        return self._step._cache_size() + (speculative_step._cache_size() if self.spec_stats else 0)
 
     def warmup(self) -> int:
         """Compile every program traffic can need (decode-only and decode + prefill, at each
-        context bucket) by running steps in which no row is active. Returns the count."""
+        context bucket; with speculation, the verifying step too) by running steps in which
+        no row is active. Returns the count."""
+        kinds = [None]  # the plain step
+        if self.spec_stats:
+            k = self.config.speculative.num_speculative
+            kinds = [DraftBatch(tokens=np.zeros((self.spec.max_slots, k), np.int32), num_draft=np.zeros(self.spec.max_slots, np.int32))]
+            if self.draft_kv is None:
+                kinds.append(None)  # steps with nothing to verify fall back to the plain program
         for width in self.context_buckets:
             for with_prefill in (False, True):
-                drafts = None
-                if self.spec_stats:
-                    drafts = DraftBatch(tokens=np.zeros((self.spec.max_slots, self.config.speculative.num_speculative), np.int32),
-                                        num_draft=np.zeros(self.spec.max_slots, np.int32))
-                self._run(self._idle_batch(width, with_prefill), drafts)
-        return 2 * len(self.context_buckets)
+                for drafts in kinds:
+                    self._run(self._idle_batch(width, with_prefill), drafts)
+        return 2 * len(self.context_buckets) * len(kinds)
 
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
         b, rows, chunk = self.spec.max_slots, self.config.max_prefill_rows, self.config.prefill_chunk
@@ -436,7 +444,7 @@ class Engine:
             pages_free=a.num_free, pages_cached=a.num_cached,
             prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
-            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._jitted._cache_size(),
+            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._compiled_programs(),
             speculative=copy.deepcopy(self.spec_stats),
         )
 

@@ -20,6 +20,7 @@ class SpeculativeConfig:
     - "ngram": prompt lookup. The last `ngram_max .. ngram_min` tokens are searched for
       in the request's own tokens and what followed their latest occurrence is proposed
       (deterministic: q is one-hot). Free to compute; strong on text that repeats its input.
+      A step where no slot found a match runs the plain one-token program instead.
     - "self": the target's first `self_layers` layers + final norm + LM head (no new weights).
     - "draft": a `DraftModel` sharing the target's tokenizer, or a path to a checkpoint
       written by `jaxinfer train-draft` (e.g. the shipped `checkpoints/smollm2_draft`).
@@ -32,7 +33,7 @@ class SpeculativeConfig:
     self_layers: int = 4
     draft: DraftModel | str | Path | None = dataclasses.field(default=None, repr=False)
     ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_min: int = 2
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
