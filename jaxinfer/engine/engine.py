@@ -160,6 +160,13 @@ class Engine:
         self.draft: DraftModel | None = None
         self.draft_kv = None
         self.spec_stats = SpeculativeStats.zeros(sc.num_speculative) if sc else None
+        # block widths the verifying step is compiled for: all k for draft models, powers of
+        # two up to k for n-gram drafts (`_narrowest`)
+        self.draft_widths: list[int] = []
+        if sc is not None:
+            self.draft_widths = [sc.num_speculative]
+            if sc.method == "ngram":
+                self.draft_widths = [w for w in (1, 2, 4, 8) if w < sc.num_speculative] + self.draft_widths
         if sc is None or sc.method == "ngram":
             return
         mc = self.model.config
@@ -252,11 +259,8 @@ class Engine:
         if plan.empty:
             return []
         drafts = self._draft_batch(plan) if self.spec_stats else None
-        if drafts is not None and self.draft_kv is None and not drafts.num_draft.any():
-            # Nothing to verify (e.g. no n-gram match anywhere): the one-token program is
-            # cheaper than a [max_slots, k + 1] block. Not with a separate draft model,
-            # whose own pages must see every token.
-            drafts = None
+        if drafts is not None and self.config.speculative.method == "ngram":
+            drafts = self._narrowest(drafts)
         blocks, accepted, prefill_next, logprobs = self._run(self._batch(plan), drafts)
         kept = [int(accepted[r.slot]) for r in plan.decode]
         self.scheduler.commit(plan, kept)
@@ -321,6 +325,17 @@ class Engine:
                 num_draft[req.slot] = lookahead
         return DraftBatch(tokens=tokens, num_draft=num_draft)
 
+    def _narrowest(self, drafts: DraftBatch) -> DraftBatch | None:
+        """Host drafts (n-gram) are often shorter than k: verify them in the narrowest
+        compiled block width (powers of two up to k) that holds the longest, and run the
+        plain one-token program when no slot has any (verifying costs ~(width + 1) tokens
+        per slot)."""
+        longest = int(drafts.num_draft.max())
+        if longest == 0:
+            return None
+        width = next(w for w in self.draft_widths if w >= longest)
+        return DraftBatch(tokens=drafts.tokens[:, :width], num_draft=drafts.num_draft)
+
     def _record_speculation(self, req: Request, num_draft: int, num_accepted: int, emitted: int) -> None:
         if req.metrics.speculative is None:
             req.metrics.speculative = SpeculativeStats.zeros(self.config.speculative.num_speculative)
@@ -336,10 +351,10 @@ class Engine:
         no row is active. Returns the count."""
         kinds = [None]  # the plain step
         if self.spec_stats:
-            k = self.config.speculative.num_speculative
-            kinds = [DraftBatch(tokens=np.zeros((self.spec.max_slots, k), np.int32), num_draft=np.zeros(self.spec.max_slots, np.int32))]
-            if self.draft_kv is None:
-                kinds.append(None)  # steps with nothing to verify fall back to the plain program
+            b = self.spec.max_slots
+            kinds = [DraftBatch(tokens=np.zeros((b, w), np.int32), num_draft=np.zeros(b, np.int32)) for w in self.draft_widths]
+            if self.config.speculative.method == "ngram":
+                kinds.append(None)  # steps with nothing to verify run the plain program
         for width in self.context_buckets:
             for with_prefill in (False, True):
                 for drafts in kinds:
