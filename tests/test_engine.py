@@ -300,12 +300,17 @@ def test_logprobs_are_log_softmax_of_the_raw_logits(model):
         SamplingParams(logprobs=True)
 
 
-def test_speculative_logprobs_equal_plain_ones(model):
-    """A draft equal to the target accepts every draft: each emitted token of a k + 1 block
-    (accepted drafts included) reports the same logprob as plain decoding."""
-    spec = engine(model, speculative=SpeculativeConfig("draft", 3, draft=DraftModel(model.config, model.params)))
+@pytest.mark.parametrize("source", ["draft", "ngram"])
+def test_speculative_logprobs_equal_plain_ones(model, source):
+    """Each emitted token of a verified block reports the same logprob as plain decoding: a
+    draft equal to the target accepts every draft (accepted drafts get their own); n-gram
+    drafts here are proposed and rejected, mixing verify blocks and the plain program."""
+    sc = {"draft": SpeculativeConfig("draft", 3, draft=DraftModel(model.config, model.params)),
+          "ngram": SpeculativeConfig("ngram", 3, ngram_max=2, ngram_min=1)}[source]
+    spec = engine(model, speculative=sc)
     outs = spec.generate(LOGPROB_PROMPTS, LOGPROB_PARAMS)
-    assert spec.metrics().speculative.accepted.sum() > 0
+    stats = spec.metrics().speculative
+    assert (stats.accepted if source == "draft" else stats.drafted).sum() > 0
     for prompt, sp, out in zip(LOGPROB_PROMPTS, LOGPROB_PARAMS, outs):
         check_logprobs(model, prompt, out, sp.logprobs)
     plain = engine(model).generate(LOGPROB_PROMPTS[:1], LOGPROB_PARAMS[:1])[0]
