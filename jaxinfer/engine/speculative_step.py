@@ -48,8 +48,10 @@ class SpeculativeOutput:
     tokens: jax.Array  # i32[max_slots, k + 1]: slot b emits tokens[b, : num_accepted[b] + 1]
     num_accepted: jax.Array  # i32[max_slots]: drafts kept per slot
     prefill_tokens: jax.Array | None  # i32[P]: next token after each prefill row's chunk
-    logprobs: TokenLogprobs  # [max_slots, k + 1]: of tokens[b, j] under the target's raw p_j
-    prefill_logprobs: TokenLogprobs | None  # [P]: of prefill_tokens
+    # of tokens[b, j] under the target's raw p_j: logprob f32[max_slots, k + 1],
+    # top_ids i32 / top_logprobs f32[max_slots, k + 1, MAX_LOGPROBS]
+    logprobs: TokenLogprobs
+    prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "draft_config", "shared_layers", "attention_impl"),

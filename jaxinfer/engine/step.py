@@ -43,8 +43,9 @@ class StepBatch:
 class StepOutput:
     decode_tokens: jax.Array  # i32[max_slots]: next token per slot (meaningful where active)
     prefill_tokens: jax.Array | None  # i32[P]: next token after each row's chunk
-    decode_logprobs: TokenLogprobs  # [max_slots]: of decode_tokens (raw distribution)
-    prefill_logprobs: TokenLogprobs | None  # [P]: of prefill_tokens
+    # of decode_tokens under the raw distribution: logprob f32[max_slots], top_* [max_slots, MAX_LOGPROBS]
+    decode_logprobs: TokenLogprobs
+    prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention_impl"), donate_argnames=("kv",))
