@@ -8,7 +8,8 @@ the trained draft in checkpoints/smollm2_draft) and k in {2, 4}, at temperature 
   b8  all 8 prompts at once through an engine with max_slots=8
 against the same engine with speculation off, in the same run. Speedup = generated tokens
 per second over the baseline's; tokens per call = tokens a decoding slot emits per target
-forward. Chat prompts, half of them asking to rewrite or continue text they contain (where
+forward. The baselines run before and after the speculative runs and the speedup divides
+by their mean (the machine's load drifts). Chat prompts, half of them asking to rewrite or continue text they contain (where
 n-gram lookup has something to find), half open questions; generation stops at EOS or
 --new-tokens. Temperature 1 runs use fixed seeds; their outputs differ from the baseline's
 (only the distribution is the same), so their token counts differ too.
@@ -87,24 +88,30 @@ def main() -> None:
     model = load_model(progress=False)
     ks = (4,) if args.quick else (2, 4)
     temps = (0.0,) if args.quick else (0.0, 1.0)
-    base = {(b, t): run(model, b, t, None, args.new_tokens) for b in (1, 8) for t in temps}
-    for (b, t), r in base.items():
+    before = {(b, t): run(model, b, t, None, args.new_tokens) for b in (1, 8) for t in temps}
+    for (b, t), r in before.items():
         print(f"baseline b{b} t{t:g}: {r['tok_s']:.1f} tok/s ({r['tokens']} tokens)", flush=True)
-    per_draft = {}
+    runs = {}
     for source in args.sources.split(","):
         for k in ks:
-            name = f"{source}_k{k}"
-            entry = {}
             for b in (1, 8):
                 for t in temps:
-                    r = run(model, b, t, config_for(source, k), args.new_tokens)
-                    speedup = r["tok_s"] / base[b, t]["tok_s"]
-                    entry[f"b{b}_t{t:g}"] = {"speedup": round(speedup, 3),
-                                             "tokens_per_call": round(r["tokens_per_call"], 3),
-                                             "acceptance_per_position": r["acceptance_per_position"]}
-                    print(f"{name} b{b} t{t:g}: {r['tok_s']:.1f} tok/s, speedup {speedup:.2f}, "
-                          f"{r['tokens_per_call']:.2f} tokens/call, acceptance {r['acceptance_per_position']}", flush=True)
-            per_draft[name] = entry
+                    r = runs[source, k, b, t] = run(model, b, t, config_for(source, k), args.new_tokens)
+                    print(f"{source}_k{k} b{b} t{t:g}: {r['tok_s']:.1f} tok/s, {r['tokens_per_call']:.2f} tokens/call, "
+                          f"acceptance {r['acceptance_per_position']}", flush=True)
+    # The baseline again at the end: the speedup divides by the mean of both baselines, so a
+    # change in machine load during the run (a shared machine) biases no draft source.
+    after = {(b, t): run(model, b, t, None, args.new_tokens) for b in (1, 8) for t in temps}
+    base = {key: (before[key]["tok_s"] + after[key]["tok_s"]) / 2 for key in before}
+    for key in before:
+        print(f"baseline b{key[0]} t{key[1]:g}: before {before[key]['tok_s']:.1f}, after {after[key]['tok_s']:.1f} tok/s")
+    per_draft = {}
+    for (source, k, b, t), r in runs.items():
+        speedup = r["tok_s"] / base[b, t]
+        per_draft.setdefault(f"{source}_k{k}", {})[f"b{b}_t{t:g}"] = {
+            "speedup": round(speedup, 3), "tokens_per_call": round(r["tokens_per_call"], 3),
+            "acceptance_per_position": r["acceptance_per_position"]}
+        print(f"{source}_k{k} b{b} t{t:g}: speedup {speedup:.2f}")
     best = max(per_draft, key=lambda n: per_draft[n]["b1_t0"]["speedup"])
     print(f"# {platform.machine()}, {os.cpu_count()} cpus, f32, SmolLM2-135M, {args.new_tokens} new tokens max")
     print(json.dumps({

@@ -123,6 +123,8 @@ def test_bad_speculative_configs_are_rejected(model):
     other_vocab = DraftModel(*tiny_model(vocab_size=50))
     with pytest.raises(ValueError, match="tokenizer"):
         engine(model, SpeculativeConfig("draft", 2, draft=other_vocab))
+    with pytest.raises(ValueError, match="KIVI"):
+        engine(model, SpeculativeConfig("ngram"), kv_cache="int4")
     with pytest.raises(ValueError, match="streaming"):
         EngineConfig(speculative=SpeculativeConfig("ngram"), streaming=(4, 16))
 

@@ -30,6 +30,7 @@ from jaxinfer.engine.speculative_step import DraftBatch, speculative_step
 from jaxinfer.engine.step import PrefillBatch, StepBatch, engine_step
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.kv.paged_state import NULL_PAGE
+from jaxinfer.kv.quantized import KiviLayerKV
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.config import ModelConfig
@@ -167,7 +168,12 @@ class Engine:
             self.draft_widths = [sc.num_speculative]
             if sc.method == "ngram":
                 self.draft_widths = [w for w in (1, 2, 4, 8) if w < sc.num_speculative] + self.draft_widths
-        if sc is None or sc.method == "ngram":
+        if sc is None:
+            return
+        if any(isinstance(layer, KiviLayerKV) for layer in self.kv.layers):
+            raise ValueError("speculative decoding overwrites rejected tokens' K/V, which KIVI cache formats (int4, int2) "
+                             "cannot: they quantize a page as soon as it fills. Use 'auto', int8 or fp8 with speculation")
+        if sc.method == "ngram":
             return
         mc = self.model.config
         if sc.method == "self":
