@@ -74,6 +74,15 @@ def test_greedy_speculation_equals_plain_decoding(model, plain_tokens, source):
     assert eng.scheduler.allocator.num_allocated == 0
 
 
+def test_speculation_over_an_int8_cache_equals_plain_int8(model):
+    """Per-token quantized pages: rejected drafts' K/V is simply overwritten later."""
+    ps = prompts(4)
+    plain = [o.token_ids for o in engine(model, kv_cache="int8").generate(ps, GREEDY)]
+    eng = engine(model, draft_sources(model)["draft"], kv_cache="int8")
+    assert [o.token_ids for o in eng.generate(ps, GREEDY)] == plain
+    assert 0 < eng.metrics().speculative.accepted.sum() < eng.metrics().speculative.drafted.sum()
+
+
 def test_a_draft_equal_to_the_target_is_always_accepted(model):
     eng = engine(model, SpeculativeConfig("draft", 4, draft=DraftModel(model.config, model.params)))
     outs = eng.generate(prompts(6), GREEDY)
