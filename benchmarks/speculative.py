@@ -49,8 +49,7 @@ def run(model, batch: int, temperature: float, speculative, new_tokens: int) -> 
 
     engine = engine_for(model, batch, speculative)
     params = [SamplingParams(temperature=temperature, max_tokens=new_tokens, seed=i) for i in range(len(PROMPTS))]
-    engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8), chat=True)  # compile
-    engine.generate(PROMPTS[:1], SamplingParams(temperature=1, max_tokens=8), chat=True)
+    engine.warmup()  # compile every program (context buckets, block widths) before timing
     stats_before = engine.metrics().speculative
     t0 = time.perf_counter()
     if batch == 1:
