@@ -361,10 +361,14 @@ class Engine:
             kinds = [DraftBatch(tokens=np.zeros((b, w), np.int32), num_draft=np.zeros(b, np.int32)) for w in self.draft_widths]
             if self.config.speculative.method == "ngram":
                 kinds.append(None)  # steps with nothing to verify run the plain program
-        for width in self.context_buckets:
-            for with_prefill in (False, True):
-                for drafts in kinds:
-                    self._run(self._idle_batch(width, with_prefill), drafts)
+        # Twice: the first call sees freshly made (uncommitted) caches, whose jit signature
+        # differs from the steady state's (committed step outputs); the second pass compiles
+        # the steady-state programs traffic will use.
+        for _ in range(2):
+            for width in self.context_buckets:
+                for with_prefill in (False, True):
+                    for drafts in kinds:
+                        self._run(self._idle_batch(width, with_prefill), drafts)
         return 2 * len(self.context_buckets) * len(kinds)
 
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
