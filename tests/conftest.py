@@ -16,3 +16,13 @@ def smollm2_gguf() -> Path:
     from jaxinfer.default_model import default_model_path
 
     return default_model_path(progress=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """The suite runs in one process on a 24 GiB machine: XLA executables of the real model
+    (and its speculative steps) would otherwise pile up across modules."""
+    yield
+    import jax
+
+    jax.clear_caches()
