@@ -159,6 +159,7 @@ class Engine:
         """The draft source: n-gram (host), the target's first layers, or a draft model with
         its own pages (same page ids and block tables as the target's)."""
         self.draft: DraftModel | None = None
+        self._draft_vocab = None  # i32[Vd]: the draft head's token ids, when it covers a subset
         self.draft_kv = None
         self.spec_stats = SpeculativeStats.zeros(sc.num_speculative) if sc else None
         # block widths the verifying step is compiled for: all k for draft models, powers of
@@ -186,6 +187,8 @@ class Engine:
             draft = load_trained_draft(self.model, draft)
         check_draft_compatible(draft, mc)
         self.draft = draft
+        if draft.vocab_ids is not None:  # on the device once, not transferred every step
+            self._draft_vocab = jax.device_put(np.asarray(draft.vocab_ids, np.int32))
         self.draft_kv = init_paged_kv(draft.config, self.spec)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -310,7 +313,7 @@ class Engine:
             d = self.draft
             self.kv, self.draft_kv, out = speculative_step(
                 m.params, m.config, self.kv, batch, drafts, None if d is None else d.params,
-                None if d is None or d.vocab_ids is None else np.asarray(d.vocab_ids, np.int32), self.draft_kv,
+                self._draft_vocab, self.draft_kv,
                 draft_config=None if d is None else d.config, shared_layers=0 if d is None else d.shares_target_layers,
                 attention_impl=self.config.attention_impl)
             tokens, accepted, logprobs = np.asarray(out.tokens), np.asarray(out.num_accepted), out.logprobs
