@@ -16,16 +16,19 @@ Layout on a ``data=D, model=M`` mesh (weights are ``[out, in]``)::
     w_down        [d, ffn]     columns split on model
     embed/lm_head [V, d]       rows (vocab) split on model when V % M == 0
     norms                      replicated
-    KV pages      [P, page, Hkv, Dh]  heads split on model like wk; replicated over data
+    KV pages      [P, page, Hkv, Dh]  pages split on data, heads on model like wk
     per-slot step inputs [max_slots, ...]  split on data (max_slots % D == 0 is required)
 
-The page pool is replicated over `data`: the host allocator hands any page to any slot,
-so each data replica keeps the whole pool and only this step's new K/V rows cross the
-`data` axis. (A per-replica page range would divide the pool's memory by D; not done.)
+The page pool is divided over `data`: replica r's devices hold pages [r * P/D, (r+1) * P/D),
+and the host allocator gives r's slots (r * max_slots/D ...) pages from that range only
+(`jaxinfer.kv.allocator.partition_pages`). The paged writes and attention run per device
+under `jax.shard_map` (`jaxinfer.model.paged_write_attend`), the Pallas kernels included, so
+no page crosses a device; the dense layers are left to GSPMD.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any, Callable
@@ -168,18 +171,25 @@ def placer(mesh: Mesh) -> Callable[[ModelConfig, str, np.ndarray], jax.Array]:
 def kv_shardings(kv: Any, config: ModelConfig, mesh: Mesh) -> Any:
     """Shardings for a `PagedKVState` (any per-layer cache format).
 
-    A cache leaf whose axis 2 is the KV-head axis (`[P, page, Hkv, ...]`, also scales
-    `[P, page, Hkv]`) is split there on `model` when the heads divide; every other leaf,
-    and the host-owned block tables and lengths, is replicated.
+    Page leaves (axis 0 = the pool) are split on `data`: a pool of P pages needs P % D == 0.
+    Dense, int8 and fp8 pages (`[P, page, Hkv, ...]`, scales `[P, page, Hkv]`) also split
+    their KV heads on `model` when the heads divide. Other leaves (KIVI's per-slot tails) and
+    the host-owned block tables and lengths are replicated.
     """
-    split = _kv_heads_split(config, mesh)
+    from jaxinfer.model.paged_write_attend import kv_heads_axis, splits_over_mesh
 
-    def leaf(a) -> NamedSharding:
-        if split and a.ndim >= 3 and a.shape[2] == config.n_kv_heads:
-            return NamedSharding(mesh, P(None, None, "model"))
-        return NamedSharding(mesh, P())
+    data = mesh.shape["data"]
+    if kv.num_pages % data:
+        raise ValueError(f"a pool of {kv.num_pages} pages does not divide over the mesh's data={data} axis")
+    heads = kv_heads_axis(config.n_kv_heads, mesh)
 
-    return jax.tree.map(leaf, kv)
+    def layer(layer_kv) -> Any:
+        if splits_over_mesh(layer_kv):
+            return jax.tree.map(lambda a: NamedSharding(mesh, P("data", None, heads)), layer_kv)
+        return jax.tree.map(lambda a: NamedSharding(mesh, P("data") if a.shape[0] == kv.num_pages else P()), layer_kv)
+
+    return dataclasses.replace(kv, layers=tuple(layer(lk) for lk in kv.layers),
+                               block_tables=replicated(mesh), lengths=replicated(mesh))
 
 
 def slot_sharding(mesh: Mesh, x: Any) -> NamedSharding:
@@ -255,14 +265,12 @@ def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
     The step is `step.__wrapped__` (the un-jitted `engine_step`) jitted again: the cache
     comes back with its input shardings (so donation reuses its buffers and the next step
     compiles nothing new) and the sampled tokens come back replicated, so every process
-    can read them. Inputs carry their own shardings (`put`).
+    can read them. Inputs carry their own shardings (`put`). Call it with `mesh=mesh`.
     """
-    import dataclasses
-
     check_mesh(mesh, model.config, max_slots)
     params = shard_params(model.params, model.config, mesh)
     kv_sh = kv_shardings(kv, model.config, mesh)
-    fn = jax.jit(step.__wrapped__, static_argnames=("config", "attention_impl"), donate_argnames=("kv",),
+    fn = jax.jit(step.__wrapped__, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",),
                  out_shardings=(kv_sh, replicated(mesh)))
     return (dataclasses.replace(model, params=params), put(kv, kv_sh), fn,
             lambda batch: put(batch, batch_shardings(batch, mesh)))

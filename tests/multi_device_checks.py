@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from jaxinfer import sharding  # noqa: E402
 from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
 from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv  # noqa: E402
+from jaxinfer.kv.allocator import partition_pages  # noqa: E402
 from jaxinfer.loading import Model  # noqa: E402
 from jaxinfer.model.transformer import forward  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
@@ -43,20 +44,26 @@ def tiny() -> Model:
     return Model(config, params, None)
 
 
-def engine_tokens(model: Model, mesh, prompts=PROMPTS, max_tokens: int = 6, max_len: int = 16) -> list[list[int]]:
+def engine_tokens(model: Model, mesh, prompts=PROMPTS, max_tokens: int = 6, max_len: int = 16, **options) -> list[list[int]]:
     """Greedy tokens from the engine (one context bucket: 2 programs)."""
-    engine = Engine(model, EngineConfig(max_slots=8, page_size=4, max_model_len=max_len, prefill_chunk=8, mesh=mesh))
+    engine = Engine(model, EngineConfig(max_slots=8, page_size=4, max_model_len=max_len, prefill_chunk=8, mesh=mesh,
+                                        **options))
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     return [list(o.token_ids) for o in outs]
 
 
 def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
-    """f32[len(prompts), V]: logits after each prompt, one `forward` over a sharded cache."""
+    """f32[len(prompts), V]: logits after each prompt, one `forward` over a sharded cache
+    (slot b takes its pages from its data replica's part of the pool, as the engine's would)."""
     config, width = model.config, max(len(p) for p in prompts)
-    spec = KVCacheSpec.for_batch(len(prompts), width, page_size=4)
-    pps = spec.max_pages_per_seq
+    data = 1 if mesh is None else mesh.shape["data"]
+    slots = len(prompts)
+    pps = -(-width // 4)
+    spec = KVCacheSpec(num_pages=data * (slots // data * pps + 1), page_size=4, max_slots=slots, max_pages_per_seq=pps)
+    parts = partition_pages(spec.num_pages, data)
+    per_replica = slots // data
     kv = init_paged_kv(config, spec).replace(block_tables=jnp.asarray(block_table_array(
-        [list(range(1 + b * pps, 1 + (b + 1) * pps)) for b in range(len(prompts))], pps)))
+        [list(parts[b // per_replica][b % per_replica * pps:][:pps]) for b in range(slots)], pps)))
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
@@ -71,9 +78,9 @@ def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
     kv_sh = sharding.kv_shardings(kv, config, mesh)
     kv = sharding.put(kv, kv_sh)
     args = [sharding.put(a, sharding.slot_sharding(mesh, a)) for a in args]
-    fn = jax.jit(forward.__wrapped__, static_argnames=("config", "attention_impl"),
+    fn = jax.jit(forward.__wrapped__, static_argnames=("config", "attention_impl", "mesh"),
                  out_shardings=(sharding.replicated(mesh), kv_sh))
-    logits, _ = fn(params, config, args[0], args[1], kv, args[2], args[3])
+    logits, _ = fn(params, config, args[0], args[1], kv, args[2], args[3], mesh=mesh)
     return np.asarray(logits)
 
 
@@ -95,6 +102,11 @@ def check_meshes() -> dict:
             "tokens": engine_tokens(model, mesh),
             "max_logit_diff": float(np.abs(first_logits(model, mesh) - ref_logits).max()),
         }
+    out["pool"] = check_pool_layout(model)
+    mesh = sharding.make_mesh("data=2,model=4")
+    out["pallas"] = {"tokens": engine_tokens(model, mesh, attention_impl="pallas")}
+    out["kv_formats"] = {fmt: {"ref": engine_tokens(model, None, kv_cache=fmt), "mesh": engine_tokens(model, mesh, kv_cache=fmt)}
+                         for fmt in ("int8", "int4")}
     out["orbax"] = check_orbax_restore(model)
     from tiny_models import tiny_model
 
@@ -109,6 +121,26 @@ def check_meshes() -> dict:
                                                 EngineConfig(mesh=sharding.make_mesh("model=8")))),
     }
     return out
+
+
+def check_pool_layout(model: Model) -> dict:
+    """On data=2,model=4: each device holds half the pages and a quarter of the KV heads, and
+    every running request's pages lie in its own replica's half of the pool."""
+    mesh = sharding.make_mesh("data=2,model=4")
+    engine = Engine(model, EngineConfig(max_slots=8, page_size=4, max_model_len=16, prefill_chunk=8, mesh=mesh))
+    for p in PROMPTS:
+        engine.add_request(p, SamplingParams(max_tokens=6, temperature=0))
+    in_own_replica, replicas_used = True, set()
+    s = engine.scheduler
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in s.running:
+            replicas_used.add(s.replica_of(req.slot))
+            in_own_replica &= all(p in s.allocators[s.replica_of(req.slot)].pages for p in req.pages)
+    k = engine.kv.layers[0].k
+    return {"num_pages": engine.spec.num_pages, "k_spec": [a for a in k.sharding.spec],
+            "k_shard_shape": list(k.addressable_shards[0].data.shape), "k_shape": list(k.shape),
+            "in_own_replica": bool(in_own_replica), "replicas_used": sorted(replicas_used)}
 
 
 def check_orbax_restore(model: Model) -> dict:
@@ -165,10 +197,15 @@ def check_smollm() -> dict:
     model = load_model(progress=False)
     prompts = [[1, 504, 3458, 314, 253]] + [[1, 40, 1513 + i] for i in range(7)]
     mesh = sharding.make_mesh("data=8,model=1")
-    ref = first_logits(model, None, prompts)
+    ref = first_logits(model, None, prompts)  # one device, all 8 prompts in one batch
+    # one device, one prompt at a time: the shapes each data replica computes on
+    per_row = np.concatenate([first_logits(model, None, [p]) for p in prompts])
+    sharded = first_logits(model, mesh, prompts)
     return {"ref_tokens": engine_tokens(model, None, prompts, max_tokens=3, max_len=16),
             "tokens": engine_tokens(model, mesh, prompts, max_tokens=3, max_len=16),
-            "max_logit_diff": float(np.abs(first_logits(model, mesh, prompts) - ref).max()),
+            "max_logit_diff": float(np.abs(sharded - ref).max()),
+            "max_logit_diff_same_shapes": float(np.abs(sharded - per_row).max()),
+            "batch_vs_per_row_one_device": float(np.abs(per_row - ref).max()),
             "max_abs_logit": float(np.abs(ref).max())}
 
 

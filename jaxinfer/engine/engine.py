@@ -123,7 +123,15 @@ class Engine:
         if max_len > mc.max_position and stream is None:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context {mc.max_position}")
         pages_per_seq = stream.pages_for(config.page_size) if stream else -(-max_len // config.page_size)
-        num_pages = config.num_pages or config.max_slots * pages_per_seq + 1
+        # a mesh's data replicas each own max_slots / D slots and num_pages / D pages
+        data = 1 if config.mesh is None else config.mesh.shape["data"]
+        if config.max_slots % data:
+            raise ValueError(f"max_slots={config.max_slots} is not divisible by the mesh's data={data} axis "
+                             f"(data parallelism splits engine slots)")
+        num_pages = config.num_pages or data * (config.max_slots // data * pages_per_seq + 1)
+        if num_pages % data:
+            raise ValueError(f"num_pages={num_pages} is not divisible by the mesh's data={data} axis "
+                             f"(each data replica holds num_pages / {data} pages)")
         self.max_model_len = max_len
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
@@ -146,7 +154,7 @@ class Engine:
             static_batching=config.scheduling == "static",
             release_window=None if stream else release_window(mc),
             max_pages_per_seq=pages_per_seq if stream else None,
-            num_speculative=k,
+            num_speculative=k, data_parallel=data,
         )
         self.context_buckets = context_buckets(pages_per_seq)
         self.requests: dict[str, Request] = {}
@@ -211,9 +219,9 @@ class Engine:
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")
-        if self._peak_pages(total) > self.spec.num_pages - 1:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs more pages "
-                             f"than the pool holds ({self.spec.num_pages - 1} of {self.spec.page_size} tokens)")
+        if self._peak_pages(total) > self.scheduler.max_request_pages:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs more pages than "
+                             f"a request can hold ({self.scheduler.max_request_pages} of {self.spec.page_size} tokens)")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         req = Request(request_id, ids, params, seed, self.model.config.eos_ids, self.model.tokenizer, cache_salt)
         self.requests[request_id] = req
@@ -306,7 +314,8 @@ class Engine:
         fetched only when a request asks for them). Slot b emits tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
         m = self.model
         if drafts is None:
-            self.kv, out = self._step(m.params, m.config, self.kv, self._place(batch), attention_impl=self.config.attention_impl)
+            self.kv, out = self._step(m.params, m.config, self.kv, self._place(batch), attention_impl=self.config.attention_impl,
+                                      mesh=self.config.mesh)
             tokens, accepted = np.asarray(out.decode_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
             logprobs = out.decode_logprobs
         else:
@@ -466,10 +475,10 @@ class Engine:
                 self.abort(rid)
 
     def metrics(self) -> EngineMetrics:
-        s, a = self.scheduler, self.scheduler.allocator
+        s = self.scheduler
         return EngineMetrics(
-            running=len(s.running), waiting=len(s.waiting), pages_used=a.num_allocated,
-            pages_free=a.num_free, pages_cached=a.num_cached,
+            running=len(s.running), waiting=len(s.waiting), pages_used=s.num_allocated,
+            pages_free=s.num_free, pages_cached=s.num_cached,
             prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
             preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._compiled_programs(),

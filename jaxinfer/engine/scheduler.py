@@ -8,9 +8,15 @@ prefill a chunk, making sure every token it schedules has a page to land in::
        └──── preempted (pages freed, recomputed later) <── pool empty ┤
                                                                       └─> finished
 
-Preemption takes the most recently admitted request, frees all its pages and puts it
-back at the head of the queue; on readmission it re-prefills its prompt and the tokens it
+Preemption takes the most recently admitted request (of the same data-parallel replica),
+frees all its pages and puts it back at the head of the queue; on readmission it re-prefills its prompt and the tokens it
 already generated (the prefix cache often still holds most of them) and continues.
+
+With `data_parallel=D` (a mesh's `data` axis), slots and pages are split into D replicas:
+slot s belongs to replica s // (max_slots / D) and takes pages only from that replica's
+range of the pool (`partition_pages`), which lives on that replica's devices. A new request
+goes to the replica with a free slot holding the longest cached prefix of its prompt (then
+the most free pages).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import dataclasses
 from collections import deque
 
 from jaxinfer.engine.request import Request, RequestStatus
-from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator
+from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator, partition_pages
 from jaxinfer.kv.paged_state import NULL_PAGE
 from jaxinfer.kv.prefix_cache import block_hashes
 
@@ -46,11 +52,14 @@ class Scheduler:
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, prefill_chunk: int,
                  max_prefill_rows: int, max_tokens_per_step: int, enable_prefix_caching: bool,
                  cache_root: bytes, static_batching: bool = False, release_window: int | None = None,
-                 max_pages_per_seq: int | None = None, num_speculative: int = 0):
+                 max_pages_per_seq: int | None = None, num_speculative: int = 0, data_parallel: int = 1):
         """`release_window=W`: pages wholly behind the last W tokens return to the pool as a
         request advances (every layer windowed). `max_pages_per_seq`: a request never holds
         more pages (a streaming ring reuses its pages in place). `num_speculative=k`: a
-        decoding request also gets budget and pages for up to k draft tokens."""
+        decoding request also gets budget and pages for up to k draft tokens. `data_parallel=D`:
+        slots and pages split into D replicas (see the module docstring)."""
+        if max_slots % data_parallel:
+            raise ValueError(f"max_slots={max_slots} is not divisible by data_parallel={data_parallel}")
         self.num_speculative = num_speculative
         self.release_window = release_window
         self.max_pages_per_seq = max_pages_per_seq
@@ -62,11 +71,42 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_root = cache_root
         self.static_batching = static_batching
-        self.allocator = PageAllocator(num_pages)
+        self.slots_per_replica = max_slots // data_parallel
+        self.allocators = [PageAllocator(num_pages, r) for r in partition_pages(num_pages, data_parallel)]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.free_slots: list[int] = list(range(max_slots))[::-1]
         self.stats = SchedulerStats()
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The page allocator (one replica; with several, see `allocators`)."""
+        if len(self.allocators) != 1:
+            raise AttributeError(f"{len(self.allocators)} data-parallel replicas each have an allocator: use .allocators")
+        return self.allocators[0]
+
+    def replica_of(self, slot: int) -> int:
+        return slot // self.slots_per_replica
+
+    def _allocator(self, req: Request) -> PageAllocator:
+        return self.allocators[self.replica_of(req.slot)]
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.allocators)
+
+    @property
+    def num_allocated(self) -> int:
+        return sum(a.num_allocated for a in self.allocators)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(a.num_cached for a in self.allocators)
+
+    @property
+    def max_request_pages(self) -> int:
+        """Pages one request can ever hold: its replica's share of the pool."""
+        return min(len(a.pages) for a in self.allocators)
 
     # ---- queue ------------------------------------------------------------------------------
 
@@ -143,22 +183,45 @@ class Scheduler:
             return
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            cached = self._lookup_prefix(req)
+            slot = self._pick_slot(req)
+            allocator = self.allocators[self.replica_of(slot)]
+            cached = self._lookup_prefix(req, allocator)
             first_chunk = min(len(req.all_tokens) - len(cached) * self.page_size, self.prefill_chunk)
             need = self._pages_for(len(cached) * self.page_size + first_chunk) - len(cached)
-            if need > self.allocator.num_free:
-                self.allocator.free(cached)
+            if need > allocator.num_free:
+                allocator.free(cached)
                 return  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            self.free_slots.remove(slot)
             req.pages = cached
             req.num_registered_pages = len(cached)
             req.num_computed = len(cached) * self.page_size
             req.metrics.num_cached_prompt_tokens = req.num_computed
-            req.slot = self.free_slots.pop()
+            req.slot = slot
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
-    def _lookup_prefix(self, req: Request) -> list[int]:
+    def _pick_slot(self, req: Request) -> int:
+        """A free slot for `req`: in the replica whose pages hold the longest cached prefix of
+        its prompt, then the one with the most free pages (one replica: the last freed slot)."""
+        if len(self.allocators) == 1:
+            return self.free_slots[-1]
+        usable = self._usable_hashes(req)
+
+        def preference(slot: int) -> tuple[int, int]:
+            a = self.allocators[self.replica_of(slot)]
+            return a.cached_prefix(usable), a.num_free
+
+        return max(reversed(self.free_slots), key=preference)
+
+    def _usable_hashes(self, req: Request) -> list[bytes]:
+        if not self.enable_prefix_caching:
+            return []
+        if req.block_hashes is None:
+            req.block_hashes = block_hashes(req.prompt, self.page_size, self.cache_root, req.cache_salt)
+        return req.block_hashes[: (len(req.prompt) - 1) // self.page_size]
+
+    def _lookup_prefix(self, req: Request, allocator: PageAllocator) -> list[int]:
         """Cached pages for the request's leading full prompt pages (each with a reference).
 
         At most `(len(prompt) - 1) // page_size` pages: the page holding the last prompt
@@ -166,10 +229,8 @@ class Scheduler:
         """
         if not self.enable_prefix_caching:
             return []
-        if req.block_hashes is None:
-            req.block_hashes = block_hashes(req.prompt, self.page_size, self.cache_root, req.cache_salt)
-        usable = req.block_hashes[: (len(req.prompt) - 1) // self.page_size]
-        pages = self.allocator.lookup(usable)
+        usable = self._usable_hashes(req)
+        pages = allocator.lookup(usable)
         self.stats.prefix_queries += len(usable)
         self.stats.prefix_hits += len(pages)
         return pages
@@ -187,7 +248,7 @@ class Scheduler:
         usable = req.block_hashes[done : (len(req.prompt) - 1) // self.page_size]
         if not usable:
             return
-        pages = self.allocator.lookup(usable)
+        pages = self._allocator(req).lookup(usable)
         self.stats.prefix_hits += len(pages)
         req.pages += pages
         req.num_computed += len(pages) * self.page_size
@@ -197,7 +258,7 @@ class Scheduler:
     def _register_full_prompt_pages(self, req: Request) -> None:
         full = min(req.num_computed, len(req.prompt)) // self.page_size
         for i in range(req.num_registered_pages, full):
-            self.allocator.register(req.pages[i], req.block_hashes[i])
+            self._allocator(req).register(req.pages[i], req.block_hashes[i])
         req.num_registered_pages = max(req.num_registered_pages, full)
 
     def _pages_for(self, tokens: int) -> int:
@@ -216,19 +277,20 @@ class Scheduler:
         for i in range(min(dead, len(req.pages)) - 1, -1, -1):
             if req.pages[i] == NULL_PAGE:
                 break
-            self.allocator.free([req.pages[i]])
+            self._allocator(req).free([req.pages[i]])
             req.pages[i] = NULL_PAGE
 
     def _grow(self, req: Request, tokens: int) -> bool:
         """Give `req` pages for `tokens` tokens, preempting later requests if the pool is
         empty. Returns False if `req` had to be preempted itself."""
         need = self._pages_for(tokens) - len(req.pages)
+        replica = self.replica_of(req.slot)
         while need > 0:
             try:
-                req.pages += self.allocator.allocate(need)
+                req.pages += self.allocators[replica].allocate(need)
                 return True
-            except OutOfPagesError:
-                victim = self.running[-1]
+            except OutOfPagesError:  # only a request of the same replica frees pages req can use
+                victim = next(r for r in reversed(self.running) if self.replica_of(r.slot) == replica)
                 self._preempt(victim)
                 if victim is req:
                     return False
@@ -244,7 +306,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
-        self.allocator.free([p for p in req.pages if p != NULL_PAGE])
+        self._allocator(req).free([p for p in req.pages if p != NULL_PAGE])
         req.pages = []
         req.num_registered_pages = 0
         self.free_slots.append(req.slot)

@@ -48,9 +48,10 @@ class StepOutput:
     prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention_impl"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))
 def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch,
-                attention_impl: str = "reference") -> tuple[PagedKVState, StepOutput]:
+                attention_impl: str = "reference", mesh: jax.sharding.Mesh | None = None
+                ) -> tuple[PagedKVState, StepOutput]:
     """Run every scheduled token through the model and sample; donates `kv`.
 
     Block tables and lengths come from the host in `batch`; the returned state keeps the
@@ -59,16 +60,17 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     The sampled token of a row is keyed by (seed, its future cache position), so a request
     draws the same tokens whether it decodes, prefills in chunks or is recomputed after
     preemption. Each sampled token comes with its logprob and the top `MAX_LOGPROBS`
-    alternatives under the model's raw distribution (`sampling.token_logprobs`).
+    alternatives under the model's raw distribution (`sampling.token_logprobs`). On a mesh
+    (`jaxinfer.sharding.shard_engine`), `mesh` is the one params and cache are sharded on.
     """
     host_owned = (kv.block_tables, kv.lengths)  # returned untouched: the host tracks both
     kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
     slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
     decode = TokenGroup(
         tokens=batch.decode_tokens[:, None], positions=batch.lengths[:, None], slots=slots,
-        num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots),
+        num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots), per_slot=True,
     )
-    logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl)
+    logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl, mesh)
     decode_next = sample_tokens(logits[0], batch.sampling, kv.lengths)
     prefill_next = sample_prefill(logits, batch, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])

@@ -34,11 +34,16 @@ class PageAllocator:
     to be reused. Releasing a page that is not in use raises.
     """
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, pages: range | None = None):
+        """Manage `pages` (default: every page of a `num_pages` pool but NULL_PAGE); a data-
+        parallel engine gives each replica its own range (`partition_pages`)."""
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page {NULL_PAGE} is reserved)")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(p for p in range(num_pages) if p != NULL_PAGE)
+        self.pages = range(NULL_PAGE + 1, num_pages) if pages is None else pages
+        if not self.pages or self.pages.start < 0 or self.pages.stop > num_pages or NULL_PAGE in self.pages:
+            raise ValueError(f"pages {self.pages} must be a non-empty range inside [1, {num_pages})")
+        self._free: deque[int] = deque(self.pages)
         self._refcount: Counter[int] = Counter()
         self._hash_of: dict[int, bytes] = {}  # page -> block hash (cached or in use)
         self._page_of: dict[bytes, int] = {}  # block hash -> page
@@ -110,6 +115,13 @@ class PageAllocator:
         self._hash_of[page] = block_hash
         self._page_of[block_hash] = page
 
+    def cached_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks `lookup` would find (takes nothing)."""
+        n = 0
+        while n < len(block_hashes) and block_hashes[n] in self._page_of:
+            n += 1
+        return n
+
     def lookup(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Pages of the longest cached prefix of `block_hashes`, each taken with a reference."""
         pages = []
@@ -129,7 +141,19 @@ class PageAllocator:
         free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a page is free twice"
         assert not (in_use & free) and not (in_use & evictable) and not (free & evictable)
-        assert in_use | free | evictable == set(range(self.num_pages)) - {NULL_PAGE}
+        assert in_use | free | evictable == set(self.pages)
         assert all(c > 0 for c in self._refcount.values()), "refcount <= 0 in use"
         assert evictable <= set(self._hash_of) and not (free & set(self._hash_of))
         assert all(self._page_of[h] == p for p, h in self._hash_of.items())
+
+
+def partition_pages(num_pages: int, parts: int) -> list[range]:
+    """Split a pool into `parts` equal, contiguous page ranges (one per data-parallel replica,
+    matching the pool's sharding over `data`); NULL_PAGE is left out of the first.
+
+        partition_pages(12, 3) -> [range(1, 4), range(4, 8), range(8, 12)]
+    """
+    if parts < 1 or num_pages % parts or num_pages // parts < 2:
+        raise ValueError(f"num_pages={num_pages} must be a multiple of {parts} partitions with >= 2 pages each")
+    size = num_pages // parts
+    return [range(max(r * size, NULL_PAGE + 1), (r + 1) * size) for r in range(parts)]

@@ -22,6 +22,7 @@ from jaxinfer.kv.streaming import streaming_write_indices
 from jaxinfer.model.attention import streaming_attention_reference
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
 from jaxinfer.model.mla import mla_attention
+from jaxinfer.model.paged_write_attend import sharded_write_and_attend, splits_over_mesh, write_and_attend
 from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams
 from pallas_kernels.dispatch import paged_attention
 
@@ -35,6 +36,9 @@ class TokenGroup:
     slots: jax.Array  # i32[B]: cache slot of each row (distinct across all groups of a call)
     num_new: jax.Array  # i32[B]: valid tokens per row; the rest is padding, 0 = idle row
     logits_index: jax.Array | None = None  # i32[B]: if given, logits only at this position
+    # Static: row b is slot b, for every slot (B == max_slots): on a mesh its rows split over
+    # `data` with the slots; other groups are shared by every data replica.
+    per_slot: bool = struct.field(pytree_node=False, default=False)
 
 
 def _split(x: jax.Array, groups: tuple[TokenGroup, ...]) -> list[jax.Array]:
@@ -61,8 +65,10 @@ def attention_block(
     inv_freq: jax.Array,  # f32[Dh/2]
     kv: PagedKVState,
     attention_impl: str = "reference",  # "auto" | "reference" | "pallas" (pallas_kernels.dispatch)
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, PagedKVState]:
-    """Project, rotate, write every group's K/V into the pages, attend per group."""
+    """Project, rotate, write every group's K/V into the pages, attend per group (per device
+    under `shard_map` on a mesh: `jaxinfer.model.paged_write_attend`)."""
     c = config
     if c.mla is not None:
         outs, layer_kv = mla_attention(c, layer, _split(x, groups), [g.positions for g in groups], idxs,
@@ -75,15 +81,19 @@ def attention_block(
         outs, layer_kv = _streaming_attention(c, layer_index, qs, ks, vs, idxs, inv_freq, kv)
         return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
     qs = [apply_rope(q, g.positions, inv_freq) for q, g in zip(qs, groups)]
+    ks = [apply_rope(k, g.positions, inv_freq) for k, g in zip(ks, groups)]
     layer_kv = kv.layers[layer_index]
-    for g, k, v, idx in zip(groups, ks, vs, idxs):  # all writes first: groups are distinct slots
-        layer_kv = layer_kv.write(apply_rope(k, g.positions, inv_freq), v, idx)
-    outs = [
-        paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
-                        scale=1.0 / math.sqrt(c.head_dim), window=c.window(layer_index), slots=idx.slots,
-                        impl=attention_impl)
-        for q, idx in zip(qs, idxs)
-    ]
+
+    def attend(q, layer_kv, idx):
+        return paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
+                               scale=1.0 / math.sqrt(c.head_dim), window=c.window(layer_index), slots=idx.slots,
+                               impl=attention_impl)
+
+    if mesh is not None and splits_over_mesh(layer_kv):
+        outs, layer_kv = sharded_write_and_attend(mesh, layer_kv, qs, ks, vs, idxs, tuple(g.per_slot for g in groups),
+                                                  attend, kv.max_slots)
+    else:  # one device, or a format GSPMD partitions by itself
+        outs, layer_kv = write_and_attend(layer_kv, qs, ks, vs, idxs, attend)
     return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
 
 
@@ -115,6 +125,7 @@ def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
 def forward_groups(
     params: ModelParams, config: ModelConfig, kv: PagedKVState, groups: tuple[TokenGroup, ...],
     attention_impl: str = "reference",
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[tuple[jax.Array, ...], PagedKVState]:
     """Evaluate several token groups in one pass -> (logits per group, updated cache).
 
@@ -125,6 +136,8 @@ def forward_groups(
     With `kv.streaming`, slots are bounded sink + recent rings and the RoPE positions are
     assigned inside the cache (`positions` is not used). `attention_impl` picks the paged
     attention: the jnp reference, the Pallas kernels, or "auto" (`pallas_kernels.dispatch`).
+    `mesh`: the ("data", "model") mesh the params and pages are sharded on (`jaxinfer.sharding`);
+    the paged writes and attention then run per device, each on its own pages.
     """
     if kv.streaming is None:
         idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
@@ -135,7 +148,7 @@ def forward_groups(
     x = _flat([params.embed[g.tokens] for g in groups]).astype(config.jnp_dtype)  # [N, D]
     for i, layer in enumerate(params.layers):  # unrolled: faster than scan on XLA:CPU
         h, kv = attention_block(config, layer, i, rms_norm(x, layer.attn_norm, config.rms_eps), groups, idxs, inv_freq, kv,
-                                attention_impl)
+                                attention_impl, mesh)
         x = x + h
         x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
     x = rms_norm(x, params.final_norm, config.rms_eps)
@@ -151,7 +164,7 @@ def forward_groups(
     return tuple(logits), dataclasses.replace(kv, lengths=lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention_impl"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))
 def forward(
     params: ModelParams,
     config: ModelConfig,
@@ -161,6 +174,7 @@ def forward(
     num_new: jax.Array | None = None,  # i32[B]: valid tokens per row (rest is padding)
     logits_index: jax.Array | None = None,  # i32[B]: compute logits only at this position
     attention_impl: str = "reference",  # static: "auto" | "reference" | "pallas"
+    mesh: jax.sharding.Mesh | None = None,  # static: the mesh params and cache are sharded on
 ) -> tuple[jax.Array, PagedKVState]:
     """One group whose row b is slot b: `forward_groups` for the common case; donates `kv`.
 
@@ -172,6 +186,7 @@ def forward(
         raise ValueError(f"batch size {b} exceeds the cache's max_slots={kv.max_slots}")
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
-    group = TokenGroup(tokens, positions, jnp.arange(b, dtype=jnp.int32), num_new, logits_index)
-    (logits,), kv = forward_groups(params, config, kv, (group,), attention_impl)
+    group = TokenGroup(tokens, positions, jnp.arange(b, dtype=jnp.int32), num_new, logits_index,
+                       per_slot=b == kv.max_slots)
+    (logits,), kv = forward_groups(params, config, kv, (group,), attention_impl, mesh)
     return logits, kv

@@ -1,0 +1,98 @@
+"""Write this step's K/V into the pages, then attend: on one device, or per device on a mesh.
+
+On a ("data", "model") mesh the page pool is split over both axes: pages over `data`
+(replica r holds pages [r * P/D, (r + 1) * P/D), the range the host allocator gives r's
+slots: `jaxinfer.kv.allocator.partition_pages`) and KV heads over `model`. GSPMD cannot
+split a gather through block tables (nor a Pallas call) by itself, so here the writes and
+the attention run under `jax.shard_map`, each device on its own pages and heads::
+
+    per-slot group (decode, [max_slots, T])  rows split over data: each replica takes its
+                                             own slots' rows
+    shared group (prefill rows, [P, C])      every replica takes every row, works on the rows
+                                             whose slot it owns, zeros the rest; a psum over
+                                             data assembles the output (x + 0 is exact)
+    page id g, in replica r                  local id g - r * P/D (others dropped / clipped)
+
+KV heads are split over `model` when they divide evenly (each device then holds the query
+heads of its KV heads); otherwise K/V are replicated over `model` and every model device
+attends with all query heads (what replicated KV heads cost anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.kv.paged_state import LayerKV, WriteIndices
+from jaxinfer.kv.quantized import TokenQuantLayerKV
+
+# attend(q [B, T, Hq, Dh], layer_kv, idx) -> [B, T, Hq, Dh]
+Attend = Callable[[jax.Array, object, WriteIndices], jax.Array]
+
+
+def write_and_attend(layer_kv, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
+                     idxs: list[WriteIndices], attend: Attend) -> tuple[list[jax.Array], object]:
+    """All groups' writes first (groups are distinct slots), then attention per group."""
+    for k, v, idx in zip(ks, vs, idxs):
+        layer_kv = layer_kv.write(k, v, idx)
+    return [attend(q, layer_kv, idx) for q, idx in zip(qs, idxs)], layer_kv
+
+
+def splits_over_mesh(layer_kv) -> bool:
+    """Formats whose every leaf is [num_pages, page_size, Hkv, ...] (dense, int8, fp8) run
+    per device; others (KIVI's per-slot tails, MLA's latent pages) stay with GSPMD."""
+    return isinstance(layer_kv, (LayerKV, TokenQuantLayerKV))
+
+
+def kv_heads_axis(n_kv_heads: int, mesh) -> str | None:
+    """'model' when the KV heads divide over it, else None (replicated)."""
+    return "model" if n_kv_heads % mesh.shape["model"] == 0 else None
+
+
+def sharded_write_and_attend(mesh, layer_kv, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
+                             idxs: list[WriteIndices], per_slot: tuple[bool, ...], attend: Attend,
+                             max_slots: int) -> tuple[list[jax.Array], object]:
+    """`write_and_attend` under `jax.shard_map` over `mesh` (see the module docstring).
+
+    `per_slot[g]`: group g's row b is slot b for every slot (the decode group), so its rows
+    split over `data` like the slots; other groups are shared by every replica.
+    """
+    data = mesh.shape["data"]
+    heads = kv_heads_axis(ks[0].shape[2], mesh)
+    pages_per_replica = jax.tree.leaves(layer_kv)[0].shape[0] // data
+    slots_per_replica = max_slots // data
+    kv_spec = jax.tree.map(lambda a: P("data", None, heads), layer_kv)
+    rows = ["data" if s else None for s in per_slot]
+    row_spec = lambda r, tree: jax.tree.map(lambda a: P(r, *[None] * (a.ndim - 1)), tree)  # noqa: E731
+    head_spec = [P(r, None, heads, None) for r in rows]
+
+    def local(layer_kv, qs, ks, vs, idxs):
+        replica = jax.lax.axis_index("data")
+        first = replica * pages_per_replica
+        owned = [None if s else idx.slots // slots_per_replica == replica for s, idx in zip(per_slot, idxs)]
+        idxs = [_localize(idx, first, pages_per_replica, o) for idx, o in zip(idxs, owned)]
+        outs, layer_kv = write_and_attend(layer_kv, qs, ks, vs, idxs, attend)
+        outs = [out if o is None else jax.lax.psum(jnp.where(o[:, None, None, None], out, 0), "data")
+                for out, o in zip(outs, owned)]
+        return outs, layer_kv
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(kv_spec, head_spec, head_spec, head_spec,
+                                                   [row_spec(r, i) for r, i in zip(rows, idxs)]),
+                       out_specs=(head_spec, kv_spec), check_vma=False)
+    return fn(layer_kv, list(qs), list(ks), list(vs), list(idxs))
+
+
+def _localize(idx: WriteIndices, first: jax.Array, num_local: int, owned: jax.Array | None) -> WriteIndices:
+    """Global page ids -> this replica's: writes outside its range (or of rows it does not
+    own) are dropped; block-table entries are clipped into range (reads past a row's length
+    are masked anyway, and a row it does not own is zeroed)."""
+    page_ids = idx.page_ids - first
+    keep = (page_ids >= 0) & (page_ids < num_local)
+    if owned is not None:
+        keep &= owned[:, None]
+    return dataclasses.replace(idx, page_ids=jnp.where(keep, page_ids, num_local),
+                               block_tables=jnp.clip(idx.block_tables - first, 0, num_local - 1))
