@@ -26,8 +26,7 @@ import numpy as np  # noqa: E402
 
 from jaxinfer import sharding  # noqa: E402
 from jaxinfer.engine import Engine, EngineConfig  # noqa: E402
-from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv  # noqa: E402
-from jaxinfer.kv.allocator import partition_pages  # noqa: E402
+from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv, partition_pages  # noqa: E402
 from jaxinfer.loading import Model  # noqa: E402
 from jaxinfer.model.transformer import forward  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
@@ -117,6 +116,7 @@ def check_meshes() -> dict:
         "axis_name": error_of(lambda: sharding.make_mesh("batch=2,model=4")),
         "device_count": error_of(lambda: sharding.make_mesh("data=4,model=4")),
         "slots": error_of(lambda: Engine(model, EngineConfig(max_slots=6, mesh=sharding.make_mesh("data=8")))),
+        "pages": error_of(lambda: Engine(model, EngineConfig(max_slots=8, num_pages=33, mesh=sharding.make_mesh("data=2,model=4")))),
         "engine_heads": error_of(lambda: Engine(Model(bad_config, tiny_model(n_heads=6, n_kv_heads=2)[1], None),
                                                 EngineConfig(mesh=sharding.make_mesh("model=8")))),
     }

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jaxinfer.draft_model import DraftModel
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.engine.step import engine_step
-from jaxinfer.kv import KVCacheSpec, init_paged_kv
+from jaxinfer.kv import KVCacheSpec, PageAllocator, init_paged_kv, partition_pages
 from jaxinfer.kv.paged_state import NULL_PAGE
 from jaxinfer.loading import Model
 from jaxinfer.model import forward
@@ -178,10 +178,20 @@ actions = st.lists(
 )
 
 
+def split_into_replicas(eng: Engine, parts: int) -> Engine:
+    """Give the host scheduler `parts` data replicas (as a data=parts mesh would) on one
+    device: page ids stay global, so the device side runs unchanged and this checks the
+    host's per-replica bookkeeping alone (tests/test_multi_device.py runs it on a mesh)."""
+    s, n = eng.scheduler, eng.spec.num_pages
+    s.slots_per_replica = s.max_slots // parts
+    s.allocators = [PageAllocator(n, r) for r in partition_pages(n, parts)]
+    return eng
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(script=actions, shared=st.booleans())
-def test_random_traffic_keeps_pages_consistent(model, script, shared):
-    eng = engine(model, num_pages=24)
+@given(script=actions, shared=st.booleans(), replicas=st.sampled_from([1, 2]))
+def test_random_traffic_keeps_pages_consistent(model, script, shared, replicas):
+    eng = split_into_replicas(engine(model, num_pages=24), replicas)
     base = prompts(1, seed=13, lo=12, hi=13)[0]
     rng = np.random.default_rng(0)
     live: list[str] = []
@@ -201,26 +211,61 @@ def test_random_traffic_keeps_pages_consistent(model, script, shared):
     while eng.has_unfinished_requests():
         eng.step()
         check_ownership(eng)
-    alloc = eng.scheduler.allocator
-    assert alloc.num_allocated == 0 and alloc.num_free == eng.spec.num_pages - 1
+    s = eng.scheduler
+    assert s.num_allocated == 0 and s.num_free == eng.spec.num_pages - 1
 
 
 def check_ownership(eng: Engine) -> None:
-    alloc = eng.scheduler.allocator
-    alloc.check_invariants()
-    running = eng.scheduler.running
+    s = eng.scheduler
+    for alloc in s.allocators:
+        alloc.check_invariants()
     owners: dict[int, list] = {}
-    for req in running:
+    for req in s.running:
         assert NULL_PAGE not in req.pages
+        assert all(page in s.allocators[s.replica_of(req.slot)].pages for page in req.pages), "page of another replica"
         for page in req.pages:
             owners.setdefault(page, []).append(req)
     for page, reqs in owners.items():
+        alloc = s.allocators[s.replica_of(reqs[0].slot)]
         assert alloc.refcount(page) == len(reqs)
         if len(reqs) > 1:
             # Shared only as a cached prefix page, by requests of one salt, at one block index.
             assert page in alloc._hash_of
             assert len({r.cache_salt for r in reqs}) == 1
             assert len({r.pages.index(page) for r in reqs}) == 1
+
+
+def test_data_parallel_replicas_preempt_within_themselves_and_change_nothing(model):
+    """Two replicas of 2 slots and 7-8 pages each, 8 requests: pages run out inside a replica,
+    whose own latest request is preempted; tokens equal the unsplit engine's."""
+    ps = prompts(8, seed=21, lo=6, hi=14)
+    want = [o.token_ids for o in engine(model).generate(ps, GREEDY)]
+    eng = split_into_replicas(engine(model, num_pages=16), 2)
+    outs = eng.generate(ps, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    assert eng.scheduler.stats.preemptions > 0
+
+
+def test_a_new_request_goes_to_the_replica_caching_its_prefix(model):
+    """One replica is busy, so the first system-prompt request lands on the other; once all
+    is idle, the second goes where its prefix is cached, although the other replica has more
+    free pages (replica 0 gives up page 0)."""
+    system = prompts(1, seed=22, lo=16, hi=17)[0]
+    eng = split_into_replicas(engine(model, num_pages=128), 2)
+    s = eng.scheduler
+    busy = eng.add_request(prompts(1, seed=23, lo=20, hi=21)[0], GREEDY)
+    eng.step()
+    first = eng.add_request(system + [5, 6], GREEDY)
+    eng.step()
+    replica = s.replica_of(eng.requests[first].slot)
+    assert replica != s.replica_of(eng.requests[busy].slot)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [a.num_free for a in s.allocators] == [63, 64]
+    second = eng.add_request(system + [7, 8, 9], GREEDY)
+    eng.step()
+    req = eng.requests[second]
+    assert s.replica_of(req.slot) == replica == 0 and req.metrics.num_cached_prompt_tokens == 16
 
 
 def test_requests_admitted_together_pick_up_a_prefix_cached_meanwhile(model):

@@ -94,6 +94,7 @@ def test_bad_meshes_raise_clear_errors(meshes):
     assert "'batch'" in e["axis_name"] and "('data', 'model')" in e["axis_name"]
     assert "16 devices" in e["device_count"] and "8 are available" in e["device_count"]
     assert "max_slots=6" in e["slots"] and "data=8" in e["slots"]
+    assert "num_pages=33" in e["pages"] and "data=2" in e["pages"]
     assert "n_heads=6" in e["engine_heads"]
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.kv import NULL_PAGE, KVCacheSpec, LayerKV, OutOfPagesError, PageAllocator
+from jaxinfer.kv import NULL_PAGE, KVCacheSpec, LayerKV, OutOfPagesError, PageAllocator, partition_pages
 from jaxinfer.model import forward
 from jaxinfer.model.attention import paged_attention_reference
 from tiny_models import kv_with_pages, random_tokens, tiny_model
@@ -148,6 +148,37 @@ def test_allocator_never_hands_out_a_page_twice(num_pages, script):
         assert NULL_PAGE not in held
         assert all(0 < p < num_pages for p in held)
         assert alloc.num_free + len(held) == num_pages - 1  # conservation
+
+
+@settings(max_examples=100, deadline=None)
+@given(per_part=st.integers(2, 8), parts=st.integers(1, 4), script=ops, data=st.data())
+def test_a_replica_allocator_stays_inside_its_page_range(per_part, parts, script, data):
+    """`partition_pages` tiles the pool (NULL_PAGE excluded); an allocator over one part
+    hands out only its pages, whatever the allocate/free/cache traffic."""
+    num_pages = per_part * parts
+    ranges = partition_pages(num_pages, parts)
+    assert sorted(p for r in ranges for p in r) == list(range(1, num_pages))
+    part = ranges[data.draw(st.integers(0, parts - 1))]
+    alloc = PageAllocator(num_pages, part)
+    owned: list[list[int]] = []
+    for i, (op, n) in enumerate(script):
+        if op == "alloc" and n <= alloc.num_free:
+            owned.append(alloc.allocate(n))
+            if owned[-1]:
+                alloc.register(owned[-1][0], bytes([i]))  # some pages become cached on free
+        elif op == "free" and owned:
+            alloc.free(owned.pop(n % len(owned)))
+        assert all(p in part for pages in owned for p in pages)
+        alloc.check_invariants()
+
+
+def test_partition_pages_rejects_uneven_pools():
+    assert partition_pages(12, 3) == [range(1, 4), range(4, 8), range(8, 12)]
+    for num_pages, parts in [(13, 2), (3, 3), (8, 0)]:
+        with pytest.raises(ValueError, match="multiple"):
+            partition_pages(num_pages, parts)
+    with pytest.raises(ValueError, match="range"):
+        PageAllocator(8, range(0, 4))  # would hand out NULL_PAGE
 
 
 def test_allocator_rejects_bad_frees():

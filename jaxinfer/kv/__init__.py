@@ -1,6 +1,6 @@
 """Paged KV cache: device-side state and host-side page bookkeeping."""
 
-from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator
+from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator, partition_pages
 from jaxinfer.kv.footprint import kv_bytes_per_token
 from jaxinfer.kv.formats import FORMAT_NAMES, QUANTIZED_FORMATS
 from jaxinfer.kv.latent import LatentKV
@@ -30,4 +30,5 @@ __all__ = [
     "block_table_array",
     "init_paged_kv",
     "kv_bytes_per_token",
+    "partition_pages",
 ]
