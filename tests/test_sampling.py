@@ -81,6 +81,18 @@ def test_filters_never_allow_a_token_outside_the_allowed_set(seed, top_k, top_p,
     assert set(np.asarray(draws).tolist()) <= want
 
 
+def test_temperature_only_batches_skip_the_sort_and_agree_with_it():
+    """A batch where no row filters returns logits / T (no sort); the same row in a batch
+    that also filters goes through the sorted path and comes out identical."""
+    logits = jnp.asarray(np.random.default_rng(3).permutation(np.linspace(-4, 4, 16))[None], jnp.float32)
+    plain = np.asarray(filter_logits(logits, arrays(1, temperature=0.7)))[0]
+    np.testing.assert_array_equal(plain, np.asarray(logits[0]) / np.float32(0.7))
+    mixed = SamplingArrays.from_params([SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=3)], [0, 0])
+    both = np.asarray(filter_logits(jnp.concatenate([logits, logits]), mixed))
+    np.testing.assert_array_equal(both[0], plain)
+    assert np.isfinite(both[1]).sum() == 3
+
+
 def test_sampled_frequencies_match_the_filtered_softmax():
     """20k draws at distinct positions; chi-square against softmax(logits / T) after top-k."""
     logits = jnp.asarray([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
