@@ -276,6 +276,35 @@ def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
             lambda batch: put(batch, batch_shardings(batch, mesh)))
 
 
+def shard_speculation(mesh: Mesh, kv: Any, draft: Any, draft_kv: Any, draft_vocab: Any, step: Callable
+                      ) -> tuple[Any, Any, Any, Callable]:
+    """What speculative decoding needs on `mesh`, given the engine's cache `kv` already placed
+    there: (draft with sharded params, its sharded cache, its vocab ids replicated, the
+    speculative step jitted with explicit output shardings; call it with `mesh=mesh`).
+
+    A separate draft model is laid out like the target (`param_spec`), its pages like the
+    target's (split over `data` by the same page ids); a self-draft's params are the
+    target's own (already sharded) and n-gram drafts have none.
+    """
+    draft_kv_sh = None
+    if draft is not None and draft_kv is not None:
+        check_mesh(mesh, draft.config)
+        draft = dataclasses.replace(draft, params=shard_params(draft.params, draft.config, mesh))
+        draft_kv_sh = kv_shardings(draft_kv, draft.config, mesh)
+        draft_kv = put(draft_kv, draft_kv_sh)
+    if draft_vocab is not None:
+        draft_vocab = put(draft_vocab, replicated(mesh))
+    fn = jax.jit(step.__wrapped__, static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
+                 donate_argnames=("kv", "draft_kv"),
+                 out_shardings=(jax.tree.map(lambda a: a.sharding, kv), draft_kv_sh, replicated(mesh)))
+    return draft, draft_kv, draft_vocab, fn
+
+
+def place_slots(tree: Any, mesh: Mesh) -> Any:
+    """Put a pytree of per-slot arrays ([max_slots, ...], e.g. a `DraftBatch`) on `data`."""
+    return put(tree, jax.tree.map(lambda x: slot_sharding(mesh, x), tree))
+
+
 # ---- several hosts --------------------------------------------------------------------------
 
 ENV_COORDINATOR = "JAXINFER_COORDINATOR"  # host:port of process 0

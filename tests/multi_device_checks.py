@@ -106,6 +106,7 @@ def check_meshes() -> dict:
     out["pallas"] = {"tokens": engine_tokens(model, mesh, attention_impl="pallas")}
     out["kv_formats"] = {fmt: {"ref": engine_tokens(model, None, kv_cache=fmt), "mesh": engine_tokens(model, mesh, kv_cache=fmt)}
                          for fmt in ("int8", "int4")}
+    out["speculative"] = {name: engine_tokens(model, mesh, speculative=sc) for name, sc in speculative_sources().items()}
     out["orbax"] = check_orbax_restore(model)
     from tiny_models import tiny_model
 
@@ -121,6 +122,16 @@ def check_meshes() -> dict:
                                                 EngineConfig(mesh=sharding.make_mesh("model=8")))),
     }
     return out
+
+
+def speculative_sources() -> dict:
+    """n-gram, self-speculation over the first layer, a separate draft model (sharded like the target)."""
+    from jaxinfer.draft_model import DraftModel
+    from jaxinfer.engine import SpeculativeConfig
+    from tiny_models import tiny_model
+
+    return {"ngram": SpeculativeConfig("ngram", 4), "self": SpeculativeConfig("self", 3, self_layers=1),
+            "draft": SpeculativeConfig("draft", 4, draft=DraftModel(*tiny_model(seed=1, n_heads=8, n_kv_heads=4, n_layers=1)))}
 
 
 def check_pool_layout(model: Model) -> dict:

@@ -74,6 +74,12 @@ def test_quantized_caches_on_a_mesh_equal_one_device(meshes, fmt):
     assert meshes["kv_formats"][fmt]["mesh"] == meshes["kv_formats"][fmt]["ref"]
 
 
+@pytest.mark.parametrize("source", ["ngram", "self", "draft"])
+def test_greedy_speculation_on_a_mesh_equals_plain_decoding(meshes, source):
+    """data=2,model=4: drafts, verification and a separate draft's pages all sharded."""
+    assert meshes["speculative"][source] == meshes["ref_tokens"]
+
+
 def test_orbax_restores_straight_into_shardings(meshes):
     o = meshes["orbax"]
     assert o["equal"]

@@ -93,8 +93,8 @@ class EngineConfig:
         if self.speculative is not None:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
-            if self.streaming is not None or self.mesh is not None:
-                raise ValueError("speculative decoding is not supported with streaming caches or on a mesh yet")
+            if self.streaming is not None:
+                raise ValueError("speculative decoding is not supported with streaming caches")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +136,18 @@ class Engine:
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
         self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache)
-        self._init_speculation(config.speculative)
-        self._step, self._place = engine_step, lambda batch: batch
+        self._step, self._spec_step = engine_step, speculative_step
+        self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
-            from jaxinfer.sharding import shard_engine
+            from jaxinfer import sharding
 
-            self.model, self.kv, self._step, self._place = shard_engine(model, self.kv, config.mesh,
-                                                                        config.max_slots, engine_step)
+            self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
+                                                                                 config.max_slots, engine_step)
+        self._init_speculation(config.speculative)  # after sharding: a self-draft shares the sharded params
+        if config.mesh is not None and config.speculative is not None:
+            self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
+                config.mesh, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
+            self._place_drafts = lambda drafts: sharding.place_slots(drafts, config.mesh)
         k = config.speculative.num_speculative if config.speculative else 0
         budget = config.max_tokens_per_step or config.max_slots * (1 + k) + config.max_prefill_rows * config.prefill_chunk
         self.scheduler = Scheduler(
@@ -320,11 +325,11 @@ class Engine:
             logprobs = out.decode_logprobs
         else:
             d = self.draft
-            self.kv, self.draft_kv, out = speculative_step(
-                m.params, m.config, self.kv, batch, drafts, None if d is None else d.params,
+            self.kv, self.draft_kv, out = self._spec_step(
+                m.params, m.config, self.kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
                 self._draft_vocab, self.draft_kv,
                 draft_config=None if d is None else d.config, shared_layers=0 if d is None else d.shares_target_layers,
-                attention_impl=self.config.attention_impl)
+                attention_impl=self.config.attention_impl, mesh=self.config.mesh)
             tokens, accepted, logprobs = np.asarray(out.tokens), np.asarray(out.num_accepted), out.logprobs
         prefill = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
         return tokens, accepted, prefill, (logprobs, out.prefill_logprobs)
@@ -361,7 +366,7 @@ class Engine:
             stats.record(num_draft, num_accepted, emitted)
 
     def _compiled_programs(self) -> int:
-        return self._step._cache_size() + (speculative_step._cache_size() if self.spec_stats else 0)
+        return self._step._cache_size() + (self._spec_step._cache_size() if self.spec_stats else 0)
 
     def warmup(self) -> int:
         """Compile every program traffic can need (decode-only and decode + prefill, at each

@@ -54,7 +54,7 @@ class SpeculativeOutput:
     prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "draft_config", "shared_layers", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
                    donate_argnames=("kv", "draft_kv"))
 def speculative_step(
     params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch, drafts: DraftBatch,
@@ -64,6 +64,7 @@ def speculative_step(
     draft_config: ModelConfig | None = None,
     shared_layers: int = 0,  # > 0: self-speculation over the target's first layers
     attention_impl: str = "reference",
+    mesh: jax.sharding.Mesh | None = None,  # the mesh both models and caches are sharded on
 ) -> tuple[PagedKVState, PagedKVState | None, SpeculativeOutput]:
     """Propose, run the target over every slot's block and the prefill rows, verify; donates
     both caches. Block tables and lengths are host-owned, as in `engine_step`.
@@ -86,22 +87,22 @@ def speculative_step(
     elif shared_layers:
         dkv = dataclasses.replace(kv, layers=kv.layers[:shared_layers])
         draft, draft_probs, dkv = propose_drafts(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
-                                                 draft_keys, separate=False, attention_impl=attention_impl)
+                                                 draft_keys, separate=False, attention_impl=attention_impl, mesh=mesh)
         kv = dataclasses.replace(kv, layers=dkv.layers + kv.layers[shared_layers:])
     else:
         draft_owned = (draft_kv.block_tables, draft_kv.lengths)
         dkv = dataclasses.replace(draft_kv, block_tables=batch.block_tables, lengths=batch.lengths)
         draft, draft_probs, dkv = propose_drafts(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
-                                                 draft_keys, separate=True, attention_impl=attention_impl)
+                                                 draft_keys, separate=True, attention_impl=attention_impl, mesh=mesh)
         draft_kv = dataclasses.replace(dkv, block_tables=draft_owned[0], lengths=draft_owned[1])
 
     slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
     block = TokenGroup(
         tokens=jnp.concatenate([batch.decode_tokens[:, None], draft], axis=1),  # [B, k + 1]
         positions=batch.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32), slots=slots,
-        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0),
+        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), per_slot=True,
     )
-    logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl)
+    logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
     num_accepted, tokens = verify_step(logits[0], draft, draft_probs, num_draft, batch.sampling, verify_keys)
     prefill_next = sample_prefill(logits, batch, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
@@ -113,6 +114,7 @@ def speculative_step(
 def propose_drafts(
     params: ModelParams, config: ModelConfig, vocab: jax.Array | None, dkv: PagedKVState, batch: StepBatch,
     num_draft: jax.Array, k: int, keys: jax.Array, *, separate: bool, attention_impl: str,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array, PagedKVState]:
     """k draft tokens per slot, sampled from the draft under each row's sampling parameters.
 
@@ -128,9 +130,9 @@ def propose_drafts(
     for j in range(k + 1 if separate else k):
         group = TokenGroup(tokens=current[:, None], positions=(batch.lengths + j)[:, None], slots=slots,
                            num_new=(batch.decode_active & (j <= num_draft)).astype(jnp.int32),
-                           logits_index=jnp.zeros_like(slots))
+                           logits_index=jnp.zeros_like(slots), per_slot=True)
         extra = prefill_groups(batch) if separate and j == 0 else ()  # keep the draft's pages complete
-        logits, dkv = forward_groups(params, config, dkv, (group,) + extra, attention_impl)
+        logits, dkv = forward_groups(params, config, dkv, (group,) + extra, attention_impl, mesh)
         if j == k:  # the extra forward only wrote d_k's K/V
             break
         step_keys = jax.vmap(lambda key: jax.random.fold_in(key, j))(keys)
