@@ -107,6 +107,7 @@ def check_meshes() -> dict:
     out["kv_formats"] = {fmt: {"ref": engine_tokens(model, None, kv_cache=fmt), "mesh": engine_tokens(model, mesh, kv_cache=fmt)}
                          for fmt in ("int8", "int4")}
     out["speculative"] = {name: engine_tokens(model, mesh, speculative=sc) for name, sc in speculative_sources().items()}
+    out["variants"] = check_variants()
     out["orbax"] = check_orbax_restore(model)
     from tiny_models import tiny_model
 
@@ -132,6 +133,24 @@ def speculative_sources() -> dict:
 
     return {"ngram": SpeculativeConfig("ngram", 4), "self": SpeculativeConfig("self", 3, self_layers=1),
             "draft": SpeculativeConfig("draft", 4, draft=DraftModel(*tiny_model(seed=1, n_heads=8, n_kv_heads=4, n_layers=1)))}
+
+
+def check_variants() -> dict:
+    """Sliding windows (pages released behind the window, per replica), a StreamingLLM ring and
+    MLA (latent pages, left to GSPMD; model=1 only) on meshes: tokens as on one device."""
+    from test_attention_variants import mla_tiny_config
+    from tiny_models import tiny_config
+
+    from jaxinfer.model import init_random_params
+
+    cases = {"window": (tiny_config(layer_windows=(6, 6)), "data=2,model=4", {}),
+             "streaming": (tiny_config(), "data=2,model=4", {"streaming": (2, 6)}),
+             "mla": (mla_tiny_config(), "data=8,model=1", {})}
+    out = {}
+    for name, (config, spec, options) in cases.items():
+        m = Model(config, init_random_params(config, seed=0, scale=0.3), None)
+        out[name] = {"ref": engine_tokens(m, None, **options), "mesh": engine_tokens(m, sharding.make_mesh(spec), **options)}
+    return out
 
 
 def check_pool_layout(model: Model) -> dict:

@@ -80,6 +80,11 @@ def test_greedy_speculation_on_a_mesh_equals_plain_decoding(meshes, source):
     assert meshes["speculative"][source] == meshes["ref_tokens"]
 
 
+@pytest.mark.parametrize("variant", ["window", "streaming", "mla"])
+def test_attention_variants_on_a_mesh_equal_one_device(meshes, variant):
+    assert meshes["variants"][variant]["mesh"] == meshes["variants"][variant]["ref"]
+
+
 def test_orbax_restores_straight_into_shardings(meshes):
     o = meshes["orbax"]
     assert o["equal"]
