@@ -108,14 +108,14 @@ def check_mesh(mesh: Mesh, config: ModelConfig, max_slots: int | None = None) ->
 # ---- parameter and cache shardings ----------------------------------------------------------
 
 
-def _kv_heads_split(config: ModelConfig, mesh: Mesh) -> bool:
-    """KV heads are split on `model` when they divide evenly, else replicated."""
-    return config.n_kv_heads % mesh.shape["model"] == 0
+def kv_heads_axis(n_kv_heads: int, mesh: Mesh) -> str | None:
+    """KV heads are split on `model` when they divide evenly (-> "model"), else replicated (None)."""
+    return "model" if n_kv_heads % mesh.shape["model"] == 0 else None
 
 
 def _layer_specs(config: ModelConfig, mesh: Mesh) -> dict[str, P]:
-    kv_rows = P("model", None) if _kv_heads_split(config, mesh) else P(None, None)
-    kv_bias = P("model") if _kv_heads_split(config, mesh) else P(None)
+    heads = kv_heads_axis(config.n_kv_heads, mesh)
+    kv_rows, kv_bias = P(heads, None), P(heads)
     return {
         "wq": P("model", None), "bq": P("model"),
         "wk": kv_rows, "wv": kv_rows, "bk": kv_bias, "bv": kv_bias,
@@ -176,7 +176,7 @@ def kv_shardings(kv: Any, config: ModelConfig, mesh: Mesh) -> Any:
     their KV heads on `model` when the heads divide. Other leaves (KIVI's per-slot tails) and
     the host-owned block tables and lengths are replicated.
     """
-    from jaxinfer.model.paged_write_attend import kv_heads_axis, splits_over_mesh
+    from jaxinfer.model.paged_write_attend import splits_over_mesh
 
     data = mesh.shape["data"]
     if kv.num_pages % data:

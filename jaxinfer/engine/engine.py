@@ -125,9 +125,10 @@ class Engine:
         pages_per_seq = stream.pages_for(config.page_size) if stream else -(-max_len // config.page_size)
         # a mesh's data replicas each own max_slots / D slots and num_pages / D pages
         data = 1 if config.mesh is None else config.mesh.shape["data"]
-        if config.max_slots % data:
-            raise ValueError(f"max_slots={config.max_slots} is not divisible by the mesh's data={data} axis "
-                             f"(data parallelism splits engine slots)")
+        if config.mesh is not None:
+            from jaxinfer import sharding
+
+            sharding.check_mesh(config.mesh, mc, config.max_slots)
         num_pages = config.num_pages or data * (config.max_slots // data * pages_per_seq + 1)
         if num_pages % data:
             raise ValueError(f"num_pages={num_pages} is not divisible by the mesh's data={data} axis "
@@ -139,8 +140,6 @@ class Engine:
         self._step, self._spec_step = engine_step, speculative_step
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
-            from jaxinfer import sharding
-
             self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
                                                                                  config.max_slots, engine_step)
         self._init_speculation(config.speculative)  # after sharding: a self-draft shares the sharded params

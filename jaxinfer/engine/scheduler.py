@@ -9,8 +9,9 @@ prefill a chunk, making sure every token it schedules has a page to land in::
                                                                       └─> finished
 
 Preemption takes the most recently admitted request (of the same data-parallel replica),
-frees all its pages and puts it back at the head of the queue; on readmission it re-prefills its prompt and the tokens it
-already generated (the prefix cache often still holds most of them) and continues.
+frees all its pages and puts it back at the head of the queue; on readmission it
+re-prefills its prompt and the tokens it already generated (the prefix cache often still
+holds most of them) and continues.
 
 With `data_parallel=D` (a mesh's `data` axis), slots and pages are split into D replicas:
 slot s belongs to replica s // (max_slots / D) and takes pages only from that replica's

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.kv.paged_state import LayerKV, WriteIndices
 from jaxinfer.kv.quantized import TokenQuantLayerKV
+from jaxinfer.sharding import kv_heads_axis
 
 # attend(q [B, T, Hq, Dh], layer_kv, idx) -> [B, T, Hq, Dh]
 Attend = Callable[[jax.Array, object, WriteIndices], jax.Array]
@@ -46,11 +47,6 @@ def splits_over_mesh(layer_kv) -> bool:
     """Formats whose every leaf is [num_pages, page_size, Hkv, ...] (dense, int8, fp8) run
     per device; others (KIVI's per-slot tails, MLA's latent pages) stay with GSPMD."""
     return isinstance(layer_kv, (LayerKV, TokenQuantLayerKV))
-
-
-def kv_heads_axis(n_kv_heads: int, mesh) -> str | None:
-    """'model' when the KV heads divide over it, else None (replicated)."""
-    return "model" if n_kv_heads % mesh.shape["model"] == 0 else None
 
 
 def sharded_write_and_attend(mesh, layer_kv, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
