@@ -1,15 +1,22 @@
 """Server under load vs the same trace offline: `jaxinfer serve` with SmolLM2 on 127.0.0.1.
 
-A fixed-seed, long-tailed trace (log-normal prompt and output lengths, greedy, EOS ignored so
-every request generates exactly its length) is run twice:
+`--repeats` fixed-seed, long-tailed traces (log-normal prompt and output lengths, greedy, EOS
+ignored so every request generates exactly its length; seeds seed, seed + 1, ...) are each run
+both ways, one right after the other (so both see the same machine):
   offline: every request added to an `Engine` in this process, stepped to completion;
-  server:  `jaxinfer serve` in a subprocess (same engine config), the trace sent by
-           `--clients` concurrent streaming clients (httpx, asyncio), then SIGTERM.
+  server:  `jaxinfer serve` in a subprocess (same engine config, warmed up before /health
+           answers; idle while the offline run goes), the trace sent by `--clients`
+           concurrent streaming clients (httpx, asyncio); SIGTERM after the last trace.
 tok/s counts generated tokens over the wall time from the first request to the last token.
-TTFT is send -> first streamed token; ITL is the gap between consecutive streamed chunks.
+`server_over_offline` is the median over traces of server / offline on the same trace (one
+15-20 s run on 2 shared cores swings by 30 %, and traces differ in difficulty); the tok/s
+figures are medians too, and every run is listed. TTFT is send -> first streamed token; ITL
+is the gap between consecutive streamed chunks (over all traces).
 
 Last line: {"server_tok_s", "offline_tok_s", "server_over_offline", "ttft_p50_ms",
-"ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "completed", "failed"}.
+"ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "completed", "failed", "server_tok_s_runs",
+"offline_tok_s_runs", "server_over_offline_runs", "client_cpu_share" (CPU the clients
+used, as a share of all cores over the server runs)}.
 
     python benchmarks/server_load.py                  # 64 requests, 64 clients
 """
@@ -46,13 +53,19 @@ def engine_config(args):
                         max_model_len=args.max_model_len)
 
 
-def run_offline(args, reqs) -> float:
+def offline_engine(args):
     from jaxinfer.engine import Engine
     from jaxinfer.loading import load_model
-    from jaxinfer.sampling import SamplingParams
 
     engine = Engine(load_model(args.model, progress=False), engine_config(args))
     engine.warmup()
+    return engine
+
+
+def run_offline(engine, reqs) -> float:
+    """tok/s of one trace through the warmed-up in-process `Engine`."""
+    from jaxinfer.sampling import SamplingParams
+
     start = time.perf_counter()
     for ids, out in reqs:
         engine.add_request(ids, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
@@ -131,6 +144,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=5, help="traces (seeds seed .. seed + repeats - 1)")
     p.add_argument("--max-slots", type=int, default=16)
     p.add_argument("--page-size", type=int, default=64)  # 4 pages at 256 tokens: one context bucket
     p.add_argument("--prefill-chunk", type=int, default=64)
@@ -139,31 +153,42 @@ def main() -> None:
     p.add_argument("--request-timeout", type=float, default=900)
     args = p.parse_args()
 
-    reqs = trace(args.requests, args.seed, args.max_model_len)
-    print(f"trace: {len(reqs)} requests, prompt tokens {sum(len(i) for i, _ in reqs)}, "
-          f"output tokens {sum(o for _, o in reqs)} (max {max(o for _, o in reqs)})", file=sys.stderr)
-    offline = run_offline(args, reqs)
-    print(f"offline: {offline:.1f} tok/s", file=sys.stderr, flush=True)
+    traces = [trace(args.requests, args.seed + i, args.max_model_len) for i in range(args.repeats)]
+    for reqs in traces:
+        print(f"trace: {len(reqs)} requests, prompt tokens {sum(len(i) for i, _ in reqs)}, "
+              f"output tokens {sum(o for _, o in reqs)} (max {max(o for _, o in reqs)})", file=sys.stderr)
+    engine = offline_engine(args)
     port = free_port()
     proc = start_server(args, port)
+    offline, server, results, client_cpu, server_wall = [], [], [], 0.0, 0.0
     try:
-        wall, results = asyncio.run(run_clients(args, port, reqs))
+        for reqs in traces:
+            offline.append(run_offline(engine, reqs))
+            cpu = time.process_time()
+            wall, res = asyncio.run(run_clients(args, port, reqs))
+            client_cpu += time.process_time() - cpu  # the clients share the 2 cores with the server
+            server_wall += wall
+            server.append(sum(r[0] for r in res if r is not None) / wall)
+            results += res
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(120)
-    # uvicorn shuts down cleanly, then re-raises the signal: -SIGTERM is the clean exit status
-    print(f"server exited with {code} after SIGTERM ({'clean' if code in (0, -signal.SIGTERM) else 'NOT clean'})",
-          file=sys.stderr)
+    print(f"offline: {', '.join(f'{x:.1f}' for x in offline)} tok/s", file=sys.stderr)
+    print(f"server: {', '.join(f'{x:.1f}' for x in server)} tok/s; exited with {code} after SIGTERM "
+          f"({'clean' if code == 0 else 'NOT clean'})", file=sys.stderr)
     ok = [r for r in results if r is not None]
     ttft = np.array([r[1] for r in ok]) * 1e3
     itl = np.array([g for r in ok for g in r[2]] or [0.0]) * 1e3
-    server = sum(r[0] for r in ok) / wall
+    ratios = [a / b for a, b in zip(server, offline)]
     print(json.dumps({
-        "server_tok_s": round(server, 2), "offline_tok_s": round(offline, 2),
-        "server_over_offline": round(server / offline, 3),
+        "server_tok_s": round(float(np.median(server)), 2), "offline_tok_s": round(float(np.median(offline)), 2),
+        "server_over_offline": round(float(np.median(ratios)), 3),
         "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1), "ttft_p99_ms": round(float(np.percentile(ttft, 99)), 1),
         "itl_p50_ms": round(float(np.percentile(itl, 50)), 1), "itl_p99_ms": round(float(np.percentile(itl, 99)), 1),
         "completed": len(ok), "failed": len(results) - len(ok),
+        "server_tok_s_runs": [round(x, 2) for x in server], "offline_tok_s_runs": [round(x, 2) for x in offline],
+        "server_over_offline_runs": [round(x, 3) for x in ratios],
+        "client_cpu_share": round(client_cpu / (server_wall * (os.cpu_count() or 1)), 3),
     }))
 
 
