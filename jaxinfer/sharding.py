@@ -113,6 +113,11 @@ def kv_heads_axis(n_kv_heads: int, mesh: Mesh) -> str | None:
     return "model" if n_kv_heads % mesh.shape["model"] == 0 else None
 
 
+def page_spec(n_kv_heads: int, mesh: Mesh) -> P:
+    """A `[num_pages, page_size, Hkv, ...]` cache leaf: pages on `data`, KV heads as `kv_heads_axis`."""
+    return P("data", None, kv_heads_axis(n_kv_heads, mesh))
+
+
 def _layer_specs(config: ModelConfig, mesh: Mesh) -> dict[str, P]:
     heads = kv_heads_axis(config.n_kv_heads, mesh)
     kv_rows, kv_bias = P(heads, None), P(heads)
@@ -181,11 +186,11 @@ def kv_shardings(kv: Any, config: ModelConfig, mesh: Mesh) -> Any:
     data = mesh.shape["data"]
     if kv.num_pages % data:
         raise ValueError(f"a pool of {kv.num_pages} pages does not divide over the mesh's data={data} axis")
-    heads = kv_heads_axis(config.n_kv_heads, mesh)
+    pages = NamedSharding(mesh, page_spec(config.n_kv_heads, mesh))
 
     def layer(layer_kv) -> Any:
         if splits_over_mesh(layer_kv):
-            return jax.tree.map(lambda a: NamedSharding(mesh, P("data", None, heads)), layer_kv)
+            return jax.tree.map(lambda a: pages, layer_kv)
         return jax.tree.map(lambda a: NamedSharding(mesh, P("data") if a.shape[0] == kv.num_pages else P()), layer_kv)
 
     return dataclasses.replace(kv, layers=tuple(layer(lk) for lk in kv.layers),

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.kv.paged_state import LayerKV, WriteIndices
 from jaxinfer.kv.quantized import TokenQuantLayerKV
-from jaxinfer.sharding import kv_heads_axis
+from jaxinfer.sharding import page_spec
 
 # attend(q [B, T, Hq, Dh], layer_kv, idx) -> [B, T, Hq, Dh]
 Attend = Callable[[jax.Array, object, WriteIndices], jax.Array]
@@ -58,10 +58,11 @@ def sharded_write_and_attend(mesh, layer_kv, qs: list[jax.Array], ks: list[jax.A
     split over `data` like the slots; other groups are shared by every replica.
     """
     data = mesh.shape["data"]
-    heads = kv_heads_axis(ks[0].shape[2], mesh)
+    spec = page_spec(ks[0].shape[2], mesh)  # [P, page, Hkv, ...]: pages on data, heads as the model's
+    heads = spec[2]
     pages_per_replica = jax.tree.leaves(layer_kv)[0].shape[0] // data
     slots_per_replica = max_slots // data
-    kv_spec = jax.tree.map(lambda a: P("data", None, heads), layer_kv)
+    kv_spec = jax.tree.map(lambda a: spec, layer_kv)
     rows = ["data" if s else None for s in per_slot]
     row_spec = lambda r, tree: jax.tree.map(lambda a: P(r, *[None] * (a.ndim - 1)), tree)  # noqa: E731
     head_spec = [P(r, None, heads, None) for r in rows]
