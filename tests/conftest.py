@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI gates a merge, so property tests draw the same examples on every run; set
+# HYPOTHESIS_PROFILE=explore to search fresh random examples locally.
+settings.register_profile("seeded", derandomize=True, database=None)
+settings.register_profile("explore", max_examples=200)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "seeded"))
 
 
 @pytest.fixture(scope="session")
