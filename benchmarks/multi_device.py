@@ -12,9 +12,13 @@ split over `model`. For each mesh this reports:
   * whether greedy output tokens equal the one-device run (`--prompts` random prompts of
     `--prompt-tokens` ids, `--new-tokens` new tokens each);
   * decode throughput: (new tokens - 1) * prompts / (time(generate N) - time(generate 1)),
-    after `engine.warmup()`, best of `--repeats`, and its ratio to one device.
+    after `engine.warmup()`, best of `--repeats`, and its ratio to one device;
+  * FLOPs per device of one engine step (XLA's cost analysis of the compiled per-device
+    program, longest context bucket), decode-only and with the 8 prefill rows of 64 tokens,
+    and their ratios to one device: on data=D each replica should prefill only its own rows.
 
-All meshes use the same `num_pages` (a multiple of 8), so byte ratios compare like with like.
+All meshes use the same `num_pages` (a multiple of 8) and 8 prefill rows per step, so ratios
+compare like with like.
 The 8 simulated devices share this machine's CPU cores: throughput ratios measure the
 overhead of partitioning (collectives, per-device dispatch), not a speedup.
 Last stdout line: one JSON object.
@@ -66,10 +70,19 @@ def bytes_per_device(tree) -> tuple[int, int]:
     return max(per_device.values()), total
 
 
+def step_flops(engine: Engine, with_prefill: bool) -> float:
+    """FLOPs of the compiled per-device program of one step at the longest context bucket."""
+    m, mesh = engine.model, engine.config.mesh
+    batch = engine._place(engine._idle_batch(engine.context_buckets[-1], with_prefill))
+    compiled = engine._step.lower(m.params, m.config, engine.kv, batch, attention_impl="reference", mesh=mesh).compile()
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
 def run_mesh(model: Model, mesh_spec: str | None, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     mesh = None if mesh_spec is None else sharding.make_mesh(mesh_spec)
     engine = Engine(model, EngineConfig(max_slots=8, page_size=16, max_model_len=args.max_model_len,
-                                        prefill_chunk=64, num_pages=args.num_pages, mesh=mesh,
+                                        prefill_chunk=64, max_prefill_rows=8, num_pages=args.num_pages, mesh=mesh,
                                         enable_prefix_caching=False))
     t0 = time.perf_counter()
     engine.warmup()
@@ -89,7 +102,8 @@ def run_mesh(model: Model, mesh_spec: str | None, prompts: list[list[int]], args
     pages_dev, pages_total = bytes_per_device(engine.kv.layers)
     par_dev, par_total = bytes_per_device(engine.model.params)
     return dict(mesh=mesh_spec, tokens=tokens, tok_s=tok_s, kv_dev=kv_dev, kv_total=kv_total, pages_dev=pages_dev,
-                pages_total=pages_total, par_dev=par_dev, par_total=par_total, warm_s=warm_s)
+                pages_total=pages_total, par_dev=par_dev, par_total=par_total, warm_s=warm_s,
+                decode_flops=step_flops(engine, False), prefill_flops=step_flops(engine, True))
 
 
 def main() -> None:
@@ -114,7 +128,7 @@ def main() -> None:
     base = results[0]
 
     print(f"\n{'mesh':<16} {'KV B/dev':>10} {'KV ratio':>8} {'pages ratio':>11} {'param B/dev':>11} "
-          f"{'param ratio':>11} {'tokens eq':>9} {'tok/s':>8} {'tok/s ratio':>11}")
+          f"{'param ratio':>11} {'tokens eq':>9} {'tok/s':>8} {'tok/s ratio':>11} {'decode FLOP':>11} {'prefill FLOP':>12}")
     headline: dict = {}
     all_equal = True
     for r in results:
@@ -124,22 +138,28 @@ def main() -> None:
         equal = r["tokens"] == base["tokens"]
         all_equal &= equal
         tok_ratio = r["tok_s"] / base["tok_s"]
+        decode_ratio = r["decode_flops"] / base["decode_flops"]
+        prefill_ratio = r["prefill_flops"] / base["prefill_flops"]
         print(f"{r['mesh'] or 'one device':<16} {r['kv_dev']:>10} {kv_ratio:>8.4f} {pages_ratio:>11.4f} "
-              f"{r['par_dev']:>11} {par_ratio:>11.4f} {str(equal):>9} {r['tok_s']:>8.1f} {tok_ratio:>11.3f}")
+              f"{r['par_dev']:>11} {par_ratio:>11.4f} {str(equal):>9} {r['tok_s']:>8.1f} {tok_ratio:>11.3f} "
+              f"{decode_ratio:>11.4f} {prefill_ratio:>12.4f}")
         name = SHORT[r["mesh"]]
         if r["mesh"] is not None:
             headline |= {f"kv_bytes_per_device_ratio_{name}": round(kv_ratio, 4),
                          f"param_bytes_per_device_ratio_{name}": round(par_ratio, 4),
-                         f"tok_s_ratio_{name}": round(tok_ratio, 3), f"tokens_equal_{name}": equal}
+                         f"tok_s_ratio_{name}": round(tok_ratio, 3), f"tokens_equal_{name}": equal,
+                         f"decode_step_flops_per_device_ratio_{name}": round(decode_ratio, 4),
+                         f"prefill_step_flops_per_device_ratio_{name}": round(prefill_ratio, 4)}
         headline[f"tok_s_{name}"] = round(r["tok_s"], 1)
     print(f"\n# {platform.machine()}, {os.cpu_count()} cpus, {jax.device_count()} simulated devices, jax {jax.__version__}; "
           f"{args.prompts} prompts x {args.prompt_tokens} ids, {args.new_tokens} new tokens, greedy, f32, "
-          f"num_pages {args.num_pages}, page_size 16, max_slots 8")
+          f"num_pages {args.num_pages}, page_size 16, max_slots 8, 8 prefill rows x 64")
     print("# m8: 4 KV heads on 8 model devices cannot be split, so KV heads are replicated there (KV ratio 1.0);")
     print("# the simulated devices share the CPU cores: tok/s ratios measure partitioning overhead, not speedup.")
     headline["tokens_equal"] = all_equal
     headline["kv_bytes_one_device"] = base["kv_total"]
     headline["param_bytes_one_device"] = base["par_total"]
+    headline["prefill_step_flops_one_device"] = base["prefill_flops"]
     print(json.dumps(headline))
 
 

@@ -250,18 +250,6 @@ def load_sharded(path: str | os.PathLike | None, mesh: Mesh, dtype: str = "float
 # ---- the engine's step on a mesh ------------------------------------------------------------
 
 
-def batch_shardings(batch: Any, mesh: Mesh) -> Any:
-    """A `StepBatch`'s shardings: per-slot fields on `data`, the prefill rows replicated."""
-    slot = lambda x: slot_sharding(mesh, x)  # noqa: E731
-    rep = replicated(mesh)
-    return type(batch)(
-        block_tables=slot(batch.block_tables), lengths=slot(batch.lengths),
-        decode_tokens=slot(batch.decode_tokens), decode_active=slot(batch.decode_active),
-        sampling=jax.tree.map(slot, batch.sampling),
-        prefill=None if batch.prefill is None else jax.tree.map(lambda _: rep, batch.prefill),
-    )
-
-
 def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
                  ) -> tuple[Any, Any, Callable, Callable]:
     """What `Engine` needs to run on `mesh`: (model with sharded params, sharded cache,
@@ -278,7 +266,7 @@ def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
     fn = jax.jit(step.__wrapped__, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",),
                  out_shardings=(kv_sh, replicated(mesh)))
     return (dataclasses.replace(model, params=params), put(kv, kv_sh), fn,
-            lambda batch: put(batch, batch_shardings(batch, mesh)))
+            lambda batch: place_slots(batch, mesh))
 
 
 def shard_speculation(mesh: Mesh, kv: Any, draft: Any, draft_kv: Any, draft_vocab: Any, step: Callable
@@ -306,7 +294,9 @@ def shard_speculation(mesh: Mesh, kv: Any, draft: Any, draft_kv: Any, draft_voca
 
 
 def place_slots(tree: Any, mesh: Mesh) -> Any:
-    """Put a pytree of per-slot arrays ([max_slots, ...], e.g. a `DraftBatch`) on `data`."""
+    """Put a pytree of arrays split by data replica on `data`: per-slot arrays
+    ([max_slots, ...]: a `DraftBatch`) and a `StepBatch` (its prefill rows too: the scheduler
+    gives replica r row block r)."""
     return put(tree, jax.tree.map(lambda x: slot_sharding(mesh, x), tree))
 
 

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from jaxinfer.draft_model import DraftModel
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.step import engine_step
 from jaxinfer.kv import KVCacheSpec, PageAllocator, init_paged_kv, partition_pages
 from jaxinfer.kv.paged_state import NULL_PAGE
@@ -185,6 +187,8 @@ def split_into_replicas(eng: Engine, parts: int) -> Engine:
     s, n = eng.scheduler, eng.spec.num_pages
     s.slots_per_replica = s.max_slots // parts
     s.allocators = [PageAllocator(n, r) for r in partition_pages(n, parts)]
+    s.prefill_rows_per_replica = -(-s.max_prefill_rows // parts)
+    s.max_prefill_rows = s.prefill_rows_per_replica * parts
     return eng
 
 
@@ -246,6 +250,21 @@ def test_data_parallel_replicas_preempt_within_themselves_and_change_nothing(mod
     outs = eng.generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == want
     assert eng.scheduler.stats.preemptions > 0
+
+
+def test_each_replica_prefills_its_own_requests_in_its_own_row_block():
+    """max_prefill_rows=3 over 2 replicas: 2 rows each, 4 in the batch; replica r's chunks go
+    to rows [2r, 2r + 2), as many as it has (up to 2) whatever the other replica has."""
+    s = Scheduler(max_slots=6, page_size=4, num_pages=40, prefill_chunk=8, max_prefill_rows=3,
+                  max_tokens_per_step=None, enable_prefix_caching=False, cache_root=b"", data_parallel=2)
+    assert (s.prefill_rows_per_replica, s.max_prefill_rows, s.max_tokens_per_step) == (2, 4, 6 + 4 * 8)
+    for i, ids in enumerate(prompts(5, seed=24, lo=10, hi=20)):
+        s.add(Request(f"r{i}", ids, GREEDY, 0, (), None, None))
+    plan = s.schedule()
+    replicas = [s.replica_of(r.slot) for r, _ in plan.prefill]
+    assert sorted(replicas) == [0, 0, 1, 1]  # 3 and 2 admitted per replica; 2 rows each
+    assert sorted(plan.prefill_rows) == [0, 1, 2, 3]
+    assert all(row // 2 == replica for row, replica in zip(plan.prefill_rows, replicas))
 
 
 def test_a_new_request_goes_to_the_replica_caching_its_prefix(model):

@@ -51,7 +51,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model context, 2048)
     num_pages: int | None = None  # default: enough for every slot at max_model_len
     prefill_chunk: int = 64  # tokens per prefill row per step
-    max_prefill_rows: int = 1  # prefill rows per step
+    max_prefill_rows: int = 1  # prefill rows per step (on a mesh: rounded up to a multiple of `data`)
     max_tokens_per_step: int | None = None  # token budget; default: everything that fits
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # or "static": admit a new batch only when all are done
@@ -148,11 +148,10 @@ class Engine:
                 config.mesh, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
             self._place_drafts = lambda drafts: sharding.place_slots(drafts, config.mesh)
         k = config.speculative.num_speculative if config.speculative else 0
-        budget = config.max_tokens_per_step or config.max_slots * (1 + k) + config.max_prefill_rows * config.prefill_chunk
         self.scheduler = Scheduler(
             max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
             prefill_chunk=config.prefill_chunk, max_prefill_rows=config.max_prefill_rows,
-            max_tokens_per_step=budget, enable_prefix_caching=config.enable_prefix_caching and stream is None,
+            max_tokens_per_step=config.max_tokens_per_step, enable_prefix_caching=config.enable_prefix_caching and stream is None,
             cache_root=cache_identity(mc, repr(config.kv_cache), str(jax.tree.leaves(self.kv.layers[0])[0].dtype),
                                       config.page_size),
             static_batching=config.scheduling == "static",
@@ -289,7 +288,8 @@ class Engine:
         now = time.perf_counter()
         # (request, tokens, its row in the logprob arrays: decode [B] / blocks [B, k + 1], or prefill [P])
         emitted = [(r, blocks[r.slot, : n + 1].tolist(), (0, r.slot)) for r, n in zip(plan.decode, kept)]
-        emitted += [(r, [int(prefill_next[i])], (1, i)) for i, (r, _) in enumerate(plan.prefill) if r.pending == 0]
+        emitted += [(r, [int(prefill_next[row])], (1, row)) for (r, _), row in zip(plan.prefill, plan.prefill_rows)
+                    if r.pending == 0]
         wanted = any(r.params.logprobs is not None for r, _, _ in emitted)
         host_logprobs = jax.device_get(logprobs) if wanted else None
         outputs = []
@@ -387,16 +387,21 @@ class Engine:
                         self._run(self._idle_batch(width, with_prefill), drafts)
         return 2 * len(self.context_buckets) * len(kinds)
 
+    def _idle_prefill(self) -> PrefillBatch:
+        """Prefill rows with no tokens; each idle row points at the first slot of the data
+        replica its row block belongs to, so it never refers to another replica's pages."""
+        s = self.scheduler
+        rows, chunk = s.max_prefill_rows, self.config.prefill_chunk
+        slots = np.arange(rows, dtype=np.int32) // s.prefill_rows_per_replica * s.slots_per_replica
+        return PrefillBatch(tokens=np.zeros((rows, chunk), np.int32), slots=slots, num_new=np.zeros(rows, np.int32))
+
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
-        b, rows, chunk = self.spec.max_slots, self.config.max_prefill_rows, self.config.prefill_chunk
-        prefill = None
-        if with_prefill:
-            prefill = PrefillBatch(tokens=np.zeros((rows, chunk), np.int32), slots=np.zeros(rows, np.int32),
-                                   num_new=np.zeros(rows, np.int32))
+        b = self.spec.max_slots
         return StepBatch(
             block_tables=np.full((b, width), NULL_PAGE, np.int32), lengths=np.zeros(b, np.int32),
             decode_tokens=np.zeros(b, np.int32), decode_active=np.zeros(b, bool),
-            sampling=SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b), prefill=prefill,
+            sampling=SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b),
+            prefill=self._idle_prefill() if with_prefill else None,
         )
 
     def _batch(self, plan: SchedulePlan) -> StepBatch:
@@ -420,14 +425,10 @@ class Engine:
             active[req.slot] = True
         prefill = None
         if plan.prefill:
-            rows, chunk = self.config.max_prefill_rows, self.config.prefill_chunk
-            tokens = np.zeros((rows, chunk), np.int32)
-            slots = np.zeros(rows, np.int32)
-            num_new = np.zeros(rows, np.int32)
-            for i, (req, n) in enumerate(plan.prefill):
-                tokens[i, :n] = req.all_tokens[req.num_computed : req.num_computed + n]
-                slots[i], num_new[i] = req.slot, n
-            prefill = PrefillBatch(tokens=tokens, slots=slots, num_new=num_new)
+            prefill = self._idle_prefill()
+            for (req, n), row in zip(plan.prefill, plan.prefill_rows):
+                prefill.tokens[row, :n] = req.all_tokens[req.num_computed : req.num_computed + n]
+                prefill.slots[row], prefill.num_new[row] = req.slot, n
         # numpy leaves: jit transfers them in one go, cheaper than a jnp.asarray each
         return StepBatch(
             block_tables=block_tables, lengths=lengths, decode_tokens=decode_tokens, decode_active=active,

@@ -17,7 +17,9 @@ With `data_parallel=D` (a mesh's `data` axis), slots and pages are split into D 
 slot s belongs to replica s // (max_slots / D) and takes pages only from that replica's
 range of the pool (`partition_pages`), which lives on that replica's devices. A new request
 goes to the replica with a free slot holding the longest cached prefix of its prompt (then
-the most free pages).
+the most free pages). Prefill rows are split the same way: each replica gets
+ceil(max_prefill_rows / D) rows of its own (block r of the batch's rows), so the devices of
+a replica prefill only their own requests.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from jaxinfer.kv.prefix_cache import block_hashes
 class SchedulePlan:
     decode: list[Request]  # one pending token each
     prefill: list[tuple[Request, int]]  # (request, tokens in this chunk)
+    prefill_rows: list[int] = dataclasses.field(default_factory=list)  # per prefill entry: its batch row
     lookahead: list[int] = dataclasses.field(default_factory=list)  # per decode request: draft tokens it may verify
 
     @property
@@ -51,14 +54,15 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, prefill_chunk: int,
-                 max_prefill_rows: int, max_tokens_per_step: int, enable_prefix_caching: bool,
+                 max_prefill_rows: int, max_tokens_per_step: int | None, enable_prefix_caching: bool,
                  cache_root: bytes, static_batching: bool = False, release_window: int | None = None,
                  max_pages_per_seq: int | None = None, num_speculative: int = 0, data_parallel: int = 1):
         """`release_window=W`: pages wholly behind the last W tokens return to the pool as a
         request advances (every layer windowed). `max_pages_per_seq`: a request never holds
         more pages (a streaming ring reuses its pages in place). `num_speculative=k`: a
         decoding request also gets budget and pages for up to k draft tokens. `data_parallel=D`:
-        slots and pages split into D replicas (see the module docstring)."""
+        slots, pages and prefill rows split into D replicas (see the module docstring).
+        `max_tokens_per_step=None`: every decode token, draft and prefill row fits."""
         if max_slots % data_parallel:
             raise ValueError(f"max_slots={max_slots} is not divisible by data_parallel={data_parallel}")
         self.num_speculative = num_speculative
@@ -67,8 +71,10 @@ class Scheduler:
         self.max_slots = max_slots
         self.page_size = page_size
         self.prefill_chunk = prefill_chunk
-        self.max_prefill_rows = max_prefill_rows
-        self.max_tokens_per_step = max_tokens_per_step
+        self.prefill_rows_per_replica = -(-max_prefill_rows // data_parallel)
+        self.max_prefill_rows = self.prefill_rows_per_replica * data_parallel  # rows of the batch
+        self.max_tokens_per_step = max_tokens_per_step or (
+            max_slots * (1 + num_speculative) + self.max_prefill_rows * prefill_chunk)
         self.enable_prefix_caching = enable_prefix_caching
         self.cache_root = cache_root
         self.static_batching = static_batching
@@ -135,12 +141,14 @@ class Scheduler:
         decode: list[Request] = []
         lookahead: dict[int, int] = {}
         prefill: list[tuple[Request, int]] = []
+        prefill_rows: dict[int, int] = {}  # id(request) -> its row: replica r's rows are block r
+        rows_taken = [0] * len(self.allocators)
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted while making room for an earlier request
             if req.pending == 1 and budget >= 1:
                 n = 1 + min(self._lookahead(req), budget - 1)
-            elif req.pending > 1 and len(prefill) < self.max_prefill_rows and budget >= 1:
+            elif req.pending > 1 and rows_taken[self.replica_of(req.slot)] < self.prefill_rows_per_replica and budget >= 1:
                 self._extend_prefix_hit(req)
                 n = min(req.pending, self.prefill_chunk, budget)
             else:
@@ -152,10 +160,14 @@ class Scheduler:
                 decode.append(req)
                 lookahead[id(req)] = n - 1
             else:
+                replica = self.replica_of(req.slot)
                 prefill.append((req, n))
+                prefill_rows[id(req)] = replica * self.prefill_rows_per_replica + rows_taken[replica]
+                rows_taken[replica] += 1
         decode = [r for r in decode if r.status is RequestStatus.RUNNING]
         prefill = [(r, n) for r, n in prefill if r.status is RequestStatus.RUNNING]
-        return SchedulePlan(decode=decode, prefill=prefill, lookahead=[lookahead[id(r)] for r in decode])
+        return SchedulePlan(decode=decode, prefill=prefill, prefill_rows=[prefill_rows[id(r)] for r, _ in prefill],
+                            lookahead=[lookahead[id(r)] for r in decode])
 
     def _lookahead(self, req: Request) -> int:
         """Draft tokens a decoding request may verify: at most k, never past max_tokens."""

@@ -100,7 +100,7 @@ def speculative_step(
     block = TokenGroup(
         tokens=jnp.concatenate([batch.decode_tokens[:, None], draft], axis=1),  # [B, k + 1]
         positions=batch.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32), slots=slots,
-        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), per_slot=True,
+        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), by_replica=True,
     )
     logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
     num_accepted, tokens = verify_step(logits[0], draft, draft_probs, num_draft, batch.sampling, verify_keys)
@@ -130,7 +130,7 @@ def propose_drafts(
     for j in range(k + 1 if separate else k):
         group = TokenGroup(tokens=current[:, None], positions=(batch.lengths + j)[:, None], slots=slots,
                            num_new=(batch.decode_active & (j <= num_draft)).astype(jnp.int32),
-                           logits_index=jnp.zeros_like(slots), per_slot=True)
+                           logits_index=jnp.zeros_like(slots), by_replica=True)
         extra = prefill_groups(batch) if separate and j == 0 else ()  # keep the draft's pages complete
         logits, dkv = forward_groups(params, config, dkv, (group,) + extra, attention_impl, mesh)
         if j == k:  # the extra forward only wrote d_k's K/V

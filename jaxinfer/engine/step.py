@@ -68,7 +68,7 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
     decode = TokenGroup(
         tokens=batch.decode_tokens[:, None], positions=batch.lengths[:, None], slots=slots,
-        num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots), per_slot=True,
+        num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots), by_replica=True,
     )
     logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl, mesh)
     decode_next = sample_tokens(logits[0], batch.sampling, kv.lengths)
@@ -80,14 +80,15 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
 
 
 def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:
-    """The batch's prefill rows as a token group (logits at each row's last token), or ()."""
+    """The batch's prefill rows as a token group (logits at each row's last token), or ().
+    The engine lays them out by data replica (`Scheduler.schedule`)."""
     if batch.prefill is None:
         return ()
     p = batch.prefill
     chunk = p.tokens.shape[1]
     return (TokenGroup(
         tokens=p.tokens, positions=batch.lengths[p.slots][:, None] + jnp.arange(chunk, dtype=jnp.int32),
-        slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0),
+        slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0), by_replica=True,
     ),)
 
 

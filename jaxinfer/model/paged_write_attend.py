@@ -6,9 +6,10 @@ slots: `jaxinfer.kv.allocator.partition_pages`) and KV heads over `model`. GSPMD
 split a gather through block tables (nor a Pallas call) by itself, so here the writes and
 the attention run under `jax.shard_map`, each device on its own pages and heads::
 
-    per-slot group (decode, [max_slots, T])  rows split over data: each replica takes its
-                                             own slots' rows
-    shared group (prefill rows, [P, C])      every replica takes every row, works on the rows
+    group by replica ([B, T], B % D == 0)    rows split over data: replica r takes block r,
+                                             rows of its own slots (the decode group, row b =
+                                             slot b; the engine's prefill rows)
+    shared group ([B, T])                    every replica takes every row, works on the rows
                                              whose slot it owns, zeros the rest; a psum over
                                              data assembles the output (x + 0 is exact)
     page id g, in replica r                  local id g - r * P/D (others dropped / clipped)
@@ -50,12 +51,12 @@ def splits_over_mesh(layer_kv) -> bool:
 
 
 def sharded_write_and_attend(mesh, layer_kv, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
-                             idxs: list[WriteIndices], per_slot: tuple[bool, ...], attend: Attend,
+                             idxs: list[WriteIndices], by_replica: tuple[bool, ...], attend: Attend,
                              max_slots: int) -> tuple[list[jax.Array], object]:
     """`write_and_attend` under `jax.shard_map` over `mesh` (see the module docstring).
 
-    `per_slot[g]`: group g's row b is slot b for every slot (the decode group), so its rows
-    split over `data` like the slots; other groups are shared by every replica.
+    `by_replica[g]`: group g's rows come in `data` equal blocks, block r of replica r's
+    slots, and split over `data`; other groups are shared by every replica.
     """
     data = mesh.shape["data"]
     spec = page_spec(ks[0].shape[2], mesh)  # [P, page, Hkv, ...]: pages on data, heads as the model's
@@ -63,14 +64,14 @@ def sharded_write_and_attend(mesh, layer_kv, qs: list[jax.Array], ks: list[jax.A
     pages_per_replica = jax.tree.leaves(layer_kv)[0].shape[0] // data
     slots_per_replica = max_slots // data
     kv_spec = jax.tree.map(lambda a: spec, layer_kv)
-    rows = ["data" if s else None for s in per_slot]
+    rows = ["data" if s else None for s in by_replica]
     row_spec = lambda r, tree: jax.tree.map(lambda a: P(r, *[None] * (a.ndim - 1)), tree)  # noqa: E731
     head_spec = [P(r, None, heads, None) for r in rows]
 
     def local(layer_kv, qs, ks, vs, idxs):
         replica = jax.lax.axis_index("data")
         first = replica * pages_per_replica
-        owned = [None if s else idx.slots // slots_per_replica == replica for s, idx in zip(per_slot, idxs)]
+        owned = [None if s else idx.slots // slots_per_replica == replica for s, idx in zip(by_replica, idxs)]
         idxs = [_localize(idx, first, pages_per_replica, o) for idx, o in zip(idxs, owned)]
         outs, layer_kv = write_and_attend(layer_kv, qs, ks, vs, idxs, attend)
         outs = [out if o is None else jax.lax.psum(jnp.where(o[:, None, None, None], out, 0), "data")

@@ -36,9 +36,10 @@ class TokenGroup:
     slots: jax.Array  # i32[B]: cache slot of each row (distinct across all groups of a call)
     num_new: jax.Array  # i32[B]: valid tokens per row; the rest is padding, 0 = idle row
     logits_index: jax.Array | None = None  # i32[B]: if given, logits only at this position
-    # Static: row b is slot b, for every slot (B == max_slots): on a mesh its rows split over
-    # `data` with the slots; other groups are shared by every data replica.
-    per_slot: bool = struct.field(pytree_node=False, default=False)
+    # Static: rows come in D equal blocks, block r continuing data replica r's slots (the
+    # decode group, row b = slot b; the engine's prefill rows): on a mesh they split over
+    # `data`. Other groups are shared by every data replica.
+    by_replica: bool = struct.field(pytree_node=False, default=False)
 
 
 def _split(x: jax.Array, groups: tuple[TokenGroup, ...]) -> list[jax.Array]:
@@ -90,7 +91,7 @@ def attention_block(
                                impl=attention_impl)
 
     if mesh is not None and splits_over_mesh(layer_kv):
-        outs, layer_kv = sharded_write_and_attend(mesh, layer_kv, qs, ks, vs, idxs, tuple(g.per_slot for g in groups),
+        outs, layer_kv = sharded_write_and_attend(mesh, layer_kv, qs, ks, vs, idxs, tuple(g.by_replica for g in groups),
                                                   attend, kv.max_slots)
     else:  # one device, or a format GSPMD partitions by itself
         outs, layer_kv = write_and_attend(layer_kv, qs, ks, vs, idxs, attend)
@@ -187,6 +188,6 @@ def forward(
     if num_new is None:
         num_new = jnp.full((b,), t, jnp.int32)
     group = TokenGroup(tokens, positions, jnp.arange(b, dtype=jnp.int32), num_new, logits_index,
-                       per_slot=b == kv.max_slots)
+                       by_replica=b == kv.max_slots)
     (logits,), kv = forward_groups(params, config, kv, (group,), attention_impl, mesh)
     return logits, kv
