@@ -2,7 +2,7 @@
 
 Everything here is plain `jax.sharding` (a `Mesh` with axes ``("data", "model")`` and
 `NamedSharding`s); the partitioning itself is XLA's (GSPMD): the engine's one jitted step
-runs unchanged, with its inputs placed as below and explicit output shardings.
+runs unchanged, jitted with the explicit in/out shardings below.
 
     mesh = make_mesh("data=2,model=4")            # 8 devices
     engine = Engine(model, EngineConfig(mesh=mesh))
@@ -17,7 +17,8 @@ Layout on a ``data=D, model=M`` mesh (weights are ``[out, in]``)::
     embed/lm_head [V, d]       rows (vocab) split on model when V % M == 0
     norms                      replicated
     KV pages      [P, page, Hkv, Dh]  pages split on data, heads on model like wk
-    per-slot step inputs [max_slots, ...]  split on data (max_slots % D == 0 is required)
+    step inputs   [max_slots, ...] per slot, [rows, ...] prefill rows (block r: replica r's)
+                               split on data (max_slots % D == 0 is required)
 
 The page pool is divided over `data`: replica r's devices hold pages [r * P/D, (r+1) * P/D),
 and the host allocator gives r's slots (r * max_slots/D ...) pages from that range only
@@ -197,9 +198,10 @@ def kv_shardings(kv: Any, config: ModelConfig, mesh: Mesh) -> Any:
                                block_tables=replicated(mesh), lengths=replicated(mesh))
 
 
-def slot_sharding(mesh: Mesh, x: Any) -> NamedSharding:
-    """Per-slot arrays ([max_slots, ...]) split on `data`."""
-    return NamedSharding(mesh, P("data", *([None] * (np.ndim(x) - 1))))
+def by_replica(mesh: Mesh) -> NamedSharding:
+    """Arrays whose leading axis is split by data replica ([max_slots, ...] per-slot arrays, a
+    batch's prefill rows) on `data`; as a pytree prefix, every leaf of a batch."""
+    return NamedSharding(mesh, P("data"))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -253,27 +255,32 @@ def load_sharded(path: str | os.PathLike | None, mesh: Mesh, dtype: str = "float
 def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
                  ) -> tuple[Any, Any, Callable, Callable]:
     """What `Engine` needs to run on `mesh`: (model with sharded params, sharded cache,
-    the step jitted with explicit output shardings, a function placing a `StepBatch`).
+    the step jitted with explicit shardings, a function placing a `StepBatch`).
 
-    The step is `step.__wrapped__` (the un-jitted `engine_step`) jitted again: the cache
-    comes back with its input shardings (so donation reuses its buffers and the next step
-    compiles nothing new) and the sampled tokens come back replicated, so every process
-    can read them. Inputs carry their own shardings (`put`). Call it with `mesh=mesh`.
+    The step is `step.__wrapped__` (the un-jitted `engine_step`) jitted again with explicit
+    in and out shardings: params and cache as laid out here, every batch field split by
+    replica on `data`; the cache comes back with its input shardings (so donation reuses its
+    buffers and the next step compiles nothing new) and the sampled tokens come back
+    replicated, so every process can read them. Inputs are placed before the call (`put`,
+    which also builds global arrays across processes). Call it with every argument
+    positional (jit refuses keywords next to in_shardings), `mesh` included.
     """
     check_mesh(mesh, model.config, max_slots)
     params = shard_params(model.params, model.config, mesh)
     kv_sh = kv_shardings(kv, model.config, mesh)
     fn = jax.jit(step.__wrapped__, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",),
+                 in_shardings=(shardings_of(params), kv_sh, by_replica(mesh)),
                  out_shardings=(kv_sh, replicated(mesh)))
     return (dataclasses.replace(model, params=params), put(kv, kv_sh), fn,
             lambda batch: place_slots(batch, mesh))
 
 
-def shard_speculation(mesh: Mesh, kv: Any, draft: Any, draft_kv: Any, draft_vocab: Any, step: Callable
+def shard_speculation(mesh: Mesh, params: Any, kv: Any, draft: Any, draft_kv: Any, draft_vocab: Any, step: Callable
                       ) -> tuple[Any, Any, Any, Callable]:
-    """What speculative decoding needs on `mesh`, given the engine's cache `kv` already placed
-    there: (draft with sharded params, its sharded cache, its vocab ids replicated, the
-    speculative step jitted with explicit output shardings; call it with `mesh=mesh`).
+    """What speculative decoding needs on `mesh`, given the engine's params and cache `kv`
+    already placed there: (draft with sharded params, its sharded cache, its vocab ids
+    replicated, the speculative step jitted with explicit in and out shardings; call it with
+    every argument positional, as `shard_engine`'s step).
 
     A separate draft model is laid out like the target (`param_spec`), its pages like the
     target's (split over `data` by the same page ids); a self-draft's params are the
@@ -287,17 +294,27 @@ def shard_speculation(mesh: Mesh, kv: Any, draft: Any, draft_kv: Any, draft_voca
         draft_kv = put(draft_kv, draft_kv_sh)
     if draft_vocab is not None:
         draft_vocab = put(draft_vocab, replicated(mesh))
+    kv_sh = shardings_of(kv)
+    # (params, kv, batch, drafts, draft_params, draft_vocab, draft_kv): None where absent
     fn = jax.jit(step.__wrapped__, static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
                  donate_argnames=("kv", "draft_kv"),
-                 out_shardings=(jax.tree.map(lambda a: a.sharding, kv), draft_kv_sh, replicated(mesh)))
+                 in_shardings=(shardings_of(params), kv_sh, by_replica(mesh), by_replica(mesh),
+                               None if draft is None else shardings_of(draft.params),
+                               None if draft_vocab is None else replicated(mesh), draft_kv_sh),
+                 out_shardings=(kv_sh, draft_kv_sh, replicated(mesh)))
     return draft, draft_kv, draft_vocab, fn
+
+
+def shardings_of(tree: Any) -> Any:
+    """The shardings a placed pytree of arrays has."""
+    return jax.tree.map(lambda a: a.sharding, tree)
 
 
 def place_slots(tree: Any, mesh: Mesh) -> Any:
     """Put a pytree of arrays split by data replica on `data`: per-slot arrays
     ([max_slots, ...]: a `DraftBatch`) and a `StepBatch` (its prefill rows too: the scheduler
     gives replica r row block r)."""
-    return put(tree, jax.tree.map(lambda x: slot_sharding(mesh, x), tree))
+    return put(tree, jax.tree.map(lambda x: by_replica(mesh), tree))
 
 
 # ---- several hosts --------------------------------------------------------------------------

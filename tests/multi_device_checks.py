@@ -76,7 +76,7 @@ def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
     params = sharding.shard_params(model.params, config, mesh)
     kv_sh = sharding.kv_shardings(kv, config, mesh)
     kv = sharding.put(kv, kv_sh)
-    args = [sharding.put(a, sharding.slot_sharding(mesh, a)) for a in args]
+    args = [sharding.put(a, sharding.by_replica(mesh)) for a in args]
     fn = jax.jit(forward.__wrapped__, static_argnames=("config", "attention_impl", "mesh"),
                  out_shardings=(sharding.replicated(mesh), kv_sh))
     logits, _ = fn(params, config, args[0], args[1], kv, args[2], args[3], mesh=mesh)
@@ -155,7 +155,8 @@ def check_variants() -> dict:
 
 def check_pool_layout(model: Model) -> dict:
     """On data=2,model=4: each device holds half the pages and a quarter of the KV heads, and
-    every running request's pages lie in its own replica's half of the pool."""
+    every running request's pages lie in its own replica's half of the pool; the compiled
+    step declares its input shardings, the batch's prefill rows split by replica."""
     mesh = sharding.make_mesh("data=2,model=4")
     engine = Engine(model, EngineConfig(max_slots=8, page_size=4, max_model_len=16, prefill_chunk=8, mesh=mesh))
     for p in PROMPTS:
@@ -168,7 +169,14 @@ def check_pool_layout(model: Model) -> dict:
             replicas_used.add(s.replica_of(req.slot))
             in_own_replica &= all(p in s.allocators[s.replica_of(req.slot)].pages for p in req.pages)
     k = engine.kv.layers[0].k
-    return {"num_pages": engine.spec.num_pages, "k_spec": [a for a in k.sharding.spec],
+    batch = engine._place(engine._idle_batch(engine.context_buckets[0], True))
+    m = engine.model
+    params_in, kv_in, batch_in = engine._step.lower(m.params, m.config, engine.kv, batch, "reference",
+                                                    mesh).compile().input_shardings[0]
+    return {"prefill_rows": int(batch.prefill.tokens.shape[0]),
+            "prefill_in_spec": list(batch_in.prefill.tokens.spec), "k_in_spec": list(kv_in.layers[0].k.spec),
+            "prefill_shard_shape": list(batch.prefill.tokens.addressable_shards[0].data.shape),
+            "num_pages": engine.spec.num_pages, "k_spec": [a for a in k.sharding.spec],
             "k_shard_shape": list(k.addressable_shards[0].data.shape), "k_shape": list(k.shape),
             "in_own_replica": bool(in_own_replica), "replicas_used": sorted(replicas_used)}
 

@@ -56,9 +56,12 @@ def test_sharded_logits_match_single_device(meshes, spec):
 
 def test_page_pool_is_divided_over_data_and_heads_over_model(meshes):
     """data=2,model=4: each device holds half the pages and one of the four KV heads; every
-    request's pages come from its own replica's half (both replicas serve)."""
+    request's pages come from its own replica's half (both replicas serve). The step is
+    compiled with these shardings declared, and with max_prefill_rows=1 each replica still
+    gets a prefill row of its own (2 rows, one per replica's devices)."""
     pool = meshes["pool"]
-    assert pool["k_spec"] == ["data", None, "model"]
+    assert pool["k_spec"] == pool["k_in_spec"] == ["data", None, "model"]
+    assert pool["prefill_rows"] == 2 and pool["prefill_shard_shape"] == [1, 8] and pool["prefill_in_spec"] == ["data"]
     assert pool["k_shard_shape"] == [pool["num_pages"] // 2, 4, 1, 8] and pool["k_shape"][0] == pool["num_pages"]
     assert pool["in_own_replica"] and pool["replicas_used"] == [0, 1]
 

@@ -145,7 +145,7 @@ class Engine:
         self._init_speculation(config.speculative)  # after sharding: a self-draft shares the sharded params
         if config.mesh is not None and config.speculative is not None:
             self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
-                config.mesh, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
+                config.mesh, self.model.params, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
             self._place_drafts = lambda drafts: sharding.place_slots(drafts, config.mesh)
         k = config.speculative.num_speculative if config.speculative else 0
         self.scheduler = Scheduler(
@@ -318,17 +318,17 @@ class Engine:
         fetched only when a request asks for them). Slot b emits tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
         m = self.model
         if drafts is None:
-            self.kv, out = self._step(m.params, m.config, self.kv, self._place(batch), attention_impl=self.config.attention_impl,
-                                      mesh=self.config.mesh)
+            # positional: jit refuses keywords next to in_shardings (`sharding.shard_engine`)
+            self.kv, out = self._step(m.params, m.config, self.kv, self._place(batch), self.config.attention_impl,
+                                      self.config.mesh)
             tokens, accepted = np.asarray(out.decode_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
             logprobs = out.decode_logprobs
         else:
             d = self.draft
             self.kv, self.draft_kv, out = self._spec_step(
                 m.params, m.config, self.kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
-                self._draft_vocab, self.draft_kv,
-                draft_config=None if d is None else d.config, shared_layers=0 if d is None else d.shares_target_layers,
-                attention_impl=self.config.attention_impl, mesh=self.config.mesh)
+                self._draft_vocab, self.draft_kv, None if d is None else d.config,
+                0 if d is None else d.shares_target_layers, self.config.attention_impl, self.config.mesh)
             tokens, accepted, logprobs = np.asarray(out.tokens), np.asarray(out.num_accepted), out.logprobs
         prefill = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
         return tokens, accepted, prefill, (logprobs, out.prefill_logprobs)
