@@ -16,7 +16,9 @@ Layout on a ``data=D, model=M`` mesh (weights are ``[out, in]``)::
     w_down        [d, ffn]     columns split on model
     embed/lm_head [V, d]       rows (vocab) split on model when V % M == 0
     norms                      replicated
-    KV pages      [P, page, Hkv, Dh]  pages split on data, heads on model like wk
+    KV pages      [P, page, Hkv*r, Dh]  pages split on data, heads on model; r = kv_head_copies:
+                               1 when Hkv % M == 0, else each KV head kept r times so
+                               every model device holds the KV heads its query heads read
     step inputs   [max_slots, ...] per slot, [rows, ...] prefill rows (block r: replica r's)
                                split on data (max_slots % D == 0 is required)
 
@@ -30,6 +32,7 @@ no page crosses a device; the dense layers are left to GSPMD.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Callable
@@ -114,9 +117,23 @@ def kv_heads_axis(n_kv_heads: int, mesh: Mesh) -> str | None:
     return "model" if n_kv_heads % mesh.shape["model"] == 0 else None
 
 
-def page_spec(n_kv_heads: int, mesh: Mesh) -> P:
-    """A `[num_pages, page_size, Hkv, ...]` cache leaf: pages on `data`, KV heads as `kv_heads_axis`."""
-    return P("data", None, kv_heads_axis(n_kv_heads, mesh))
+def kv_head_copies(n_kv_heads: int, mesh: Mesh | None) -> int:
+    """How many times the page pool keeps each KV head so its heads split evenly over `model`.
+
+    With fewer KV heads than `model` devices (GQA/MQA on a wide `model` axis) the pages would
+    otherwise be replicated, and every device would attend with every query head. Keeping
+    each head r = M / gcd(Hkv, M) times (vLLM does the same) lets device j hold only the copies
+    its own query heads read (r divides the GQA group whenever n_heads % M == 0), so the
+    attention splits over `model` and each device's pages shrink to Hkv / gcd(Hkv, M) heads.
+    """
+    model = 1 if mesh is None else mesh.shape["model"]
+    return model // math.gcd(n_kv_heads, model)
+
+
+def page_spec(stored_heads: int, mesh: Mesh) -> P:
+    """A `[num_pages, page_size, heads, ...]` cache leaf: pages on `data`, the stored KV heads
+    (copies included) on `model` when they divide, else replicated."""
+    return P("data", None, kv_heads_axis(stored_heads, mesh))
 
 
 def _layer_specs(config: ModelConfig, mesh: Mesh) -> dict[str, P]:
@@ -174,23 +191,25 @@ def placer(mesh: Mesh) -> Callable[[ModelConfig, str, np.ndarray], jax.Array]:
     return place
 
 
-def kv_shardings(kv: Any, config: ModelConfig, mesh: Mesh) -> Any:
+def kv_shardings(kv: Any, mesh: Mesh) -> Any:
     """Shardings for a `PagedKVState` (any per-layer cache format).
 
     Page leaves (axis 0 = the pool) are split on `data`: a pool of P pages needs P % D == 0.
-    Dense, int8 and fp8 pages (`[P, page, Hkv, ...]`, scales `[P, page, Hkv]`) also split
-    their KV heads on `model` when the heads divide. Other leaves (KIVI's per-slot tails) and
-    the host-owned block tables and lengths are replicated.
+    Dense, int8 and fp8 pages (`[P, page, heads, ...]`, scales `[P, page, heads]`) also split
+    their stored KV heads on `model` when they divide (a cache made with `kv_head_copies`
+    always does). Other leaves (KIVI's per-slot tails) and the host-owned block tables and
+    lengths are replicated.
     """
+    from jaxinfer.kv.paged_state import stored_kv_heads
     from jaxinfer.model.paged_write_attend import splits_over_mesh
 
     data = mesh.shape["data"]
     if kv.num_pages % data:
         raise ValueError(f"a pool of {kv.num_pages} pages does not divide over the mesh's data={data} axis")
-    pages = NamedSharding(mesh, page_spec(config.n_kv_heads, mesh))
 
     def layer(layer_kv) -> Any:
         if splits_over_mesh(layer_kv):
+            pages = NamedSharding(mesh, page_spec(stored_kv_heads(layer_kv), mesh))
             return jax.tree.map(lambda a: pages, layer_kv)
         return jax.tree.map(lambda a: NamedSharding(mesh, P("data") if a.shape[0] == kv.num_pages else P()), layer_kv)
 
@@ -267,7 +286,7 @@ def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
     """
     check_mesh(mesh, model.config, max_slots)
     params = shard_params(model.params, model.config, mesh)
-    kv_sh = kv_shardings(kv, model.config, mesh)
+    kv_sh = kv_shardings(kv, mesh)
     fn = jax.jit(step.__wrapped__, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",),
                  in_shardings=(shardings_of(params), kv_sh, by_replica(mesh)),
                  out_shardings=(kv_sh, replicated(mesh)))
@@ -290,7 +309,7 @@ def shard_speculation(mesh: Mesh, params: Any, kv: Any, draft: Any, draft_kv: An
     if draft is not None and draft_kv is not None:
         check_mesh(mesh, draft.config)
         draft = dataclasses.replace(draft, params=shard_params(draft.params, draft.config, mesh))
-        draft_kv_sh = kv_shardings(draft_kv, draft.config, mesh)
+        draft_kv_sh = kv_shardings(draft_kv, mesh)
         draft_kv = put(draft_kv, draft_kv_sh)
     if draft_vocab is not None:
         draft_vocab = put(draft_vocab, replicated(mesh))

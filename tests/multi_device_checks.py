@@ -43,12 +43,25 @@ def tiny() -> Model:
     return Model(config, params, None)
 
 
-def engine_tokens(model: Model, mesh, prompts=PROMPTS, max_tokens: int = 6, max_len: int = 16, **options) -> list[list[int]]:
-    """Greedy tokens from the engine (one context bucket: 2 programs)."""
-    engine = Engine(model, EngineConfig(max_slots=8, page_size=4, max_model_len=max_len, prefill_chunk=8, mesh=mesh,
-                                        **options))
+def tiny_engine(model: Model, mesh, max_len: int = 16, **options) -> Engine:
+    return Engine(model, EngineConfig(max_slots=8, page_size=4, max_model_len=max_len, prefill_chunk=8, mesh=mesh,
+                                      **options))
+
+
+def greedy(engine: Engine, prompts=PROMPTS, max_tokens: int = 6) -> list[list[int]]:
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     return [list(o.token_ids) for o in outs]
+
+
+def engine_tokens(model: Model, mesh, prompts=PROMPTS, max_tokens: int = 6, max_len: int = 16, **options) -> list[list[int]]:
+    """Greedy tokens from the engine (one context bucket: 2 programs)."""
+    return greedy(tiny_engine(model, mesh, max_len, **options), prompts, max_tokens)
+
+
+def pages_layout(kv) -> dict:
+    """Layer 0's K pages (any per-head format): global shape, PartitionSpec and the shape one device holds."""
+    k = jax.tree.leaves(kv.layers[0])[0]
+    return {"k_shape": list(k.shape), "k_spec": list(k.sharding.spec), "k_shard_shape": list(k.addressable_shards[0].data.shape)}
 
 
 def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
@@ -61,7 +74,8 @@ def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
     spec = KVCacheSpec(num_pages=data * (slots // data * pps + 1), page_size=4, max_slots=slots, max_pages_per_seq=pps)
     parts = partition_pages(spec.num_pages, data)
     per_replica = slots // data
-    kv = init_paged_kv(config, spec).replace(block_tables=jnp.asarray(block_table_array(
+    copies = sharding.kv_head_copies(config.n_kv_heads, mesh)
+    kv = init_paged_kv(config, spec, kv_head_copies=copies).replace(block_tables=jnp.asarray(block_table_array(
         [list(parts[b // per_replica][b % per_replica * pps:][:pps]) for b in range(slots)], pps)))
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
@@ -74,7 +88,7 @@ def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
                             jnp.asarray(num_new), jnp.asarray(num_new - 1))
         return np.asarray(logits)
     params = sharding.shard_params(model.params, config, mesh)
-    kv_sh = sharding.kv_shardings(kv, config, mesh)
+    kv_sh = sharding.kv_shardings(kv, mesh)
     kv = sharding.put(kv, kv_sh)
     args = [sharding.put(a, sharding.by_replica(mesh)) for a in args]
     fn = jax.jit(forward.__wrapped__, static_argnames=("config", "attention_impl", "mesh"),
@@ -97,11 +111,13 @@ def check_meshes() -> dict:
     out: dict = {"ref_tokens": ref_tokens, "meshes": {}}
     for spec in MESHES:
         mesh = sharding.make_mesh(spec)
+        engine = tiny_engine(model, mesh)
         out["meshes"][spec] = {
-            "tokens": engine_tokens(model, mesh),
+            "tokens": greedy(engine), "pages": pages_layout(engine.kv), "num_pages": engine.spec.num_pages,
             "max_logit_diff": float(np.abs(first_logits(model, mesh) - ref_logits).max()),
         }
     out["pool"] = check_pool_layout(model)
+    out["kv_copies"] = check_kv_copies()
     mesh = sharding.make_mesh("data=2,model=4")
     out["pallas"] = {"tokens": engine_tokens(model, mesh, attention_impl="pallas")}
     out["kv_formats"] = {fmt: {"ref": engine_tokens(model, None, kv_cache=fmt), "mesh": engine_tokens(model, mesh, kv_cache=fmt)}
@@ -133,6 +149,22 @@ def speculative_sources() -> dict:
 
     return {"ngram": SpeculativeConfig("ngram", 4), "self": SpeculativeConfig("self", 3, self_layers=1),
             "draft": SpeculativeConfig("draft", 4, draft=DraftModel(*tiny_model(seed=1, n_heads=8, n_kv_heads=4, n_layers=1)))}
+
+
+def check_kv_copies() -> dict:
+    """KV heads the model axis does not divide: 3 KV heads on model=2 (each kept twice, device j
+    holding copies of heads {0, 0, 1} or {1, 2, 2}) and MQA on model=8 with int8 pages (the one
+    head kept 8 times, its scales too): tokens as on one device."""
+    from tiny_models import tiny_model
+
+    cases = {"gqa3_model2": (6, 3, "data=4,model=2", {}), "mqa_model8_int8": (8, 1, "data=1,model=8", {"kv_cache": "int8"})}
+    out = {}
+    for name, (heads, kv_heads, spec, options) in cases.items():
+        m = Model(*tiny_model(n_heads=heads, n_kv_heads=kv_heads), None)
+        engine = tiny_engine(m, sharding.make_mesh(spec), **options)
+        out[name] = {"ref": engine_tokens(m, None, **options), "mesh": greedy(engine), "pages": pages_layout(engine.kv),
+                     "num_pages": engine.spec.num_pages}
+    return out
 
 
 def check_variants() -> dict:
@@ -168,7 +200,6 @@ def check_pool_layout(model: Model) -> dict:
         for req in s.running:
             replicas_used.add(s.replica_of(req.slot))
             in_own_replica &= all(p in s.allocators[s.replica_of(req.slot)].pages for p in req.pages)
-    k = engine.kv.layers[0].k
     batch = engine._place(engine._idle_batch(engine.context_buckets[0], True))
     m = engine.model
     params_in, kv_in, batch_in = engine._step.lower(m.params, m.config, engine.kv, batch, "reference",
@@ -176,8 +207,7 @@ def check_pool_layout(model: Model) -> dict:
     return {"prefill_rows": int(batch.prefill.tokens.shape[0]),
             "prefill_in_spec": list(batch_in.prefill.tokens.spec), "k_in_spec": list(kv_in.layers[0].k.spec),
             "prefill_shard_shape": list(batch.prefill.tokens.addressable_shards[0].data.shape),
-            "num_pages": engine.spec.num_pages, "k_spec": [a for a in k.sharding.spec],
-            "k_shard_shape": list(k.addressable_shards[0].data.shape), "k_shape": list(k.shape),
+            "num_pages": engine.spec.num_pages, **pages_layout(engine.kv),
             "in_own_replica": bool(in_own_replica), "replicas_used": sorted(replicas_used)}
 
 

@@ -54,6 +54,31 @@ def test_sharded_logits_match_single_device(meshes, spec):
     assert meshes["meshes"][spec]["max_logit_diff"] < 1e-5
 
 
+# 4 KV heads, page_size 4, head_dim 8: (data, model) -> (stored heads, heads one device holds)
+KV_HEADS_HELD = {"data=1,model=8": (8, 1), "data=2,model=4": (4, 1), "data=8,model=1": (4, 4)}
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_each_device_holds_its_share_of_pages_and_kv_heads(meshes, spec):
+    """Pages split over data, stored KV heads over model. On model=8 the 4 KV heads are kept
+    twice (`kv_head_copies`), so each device holds one head (a quarter of the bytes, not a
+    full replica) and attends with its own query head; tokens and logits still match above."""
+    m = meshes["meshes"][spec]
+    data = int(spec.split(",")[0].split("=")[1])
+    stored, held = KV_HEADS_HELD[spec]
+    assert m["pages"]["k_shape"] == [m["num_pages"], 4, stored, 8]
+    assert m["pages"]["k_shard_shape"] == [m["num_pages"] // data, 4, held, 8]
+    assert m["pages"]["k_spec"] == ["data", None, "model"]
+
+
+@pytest.mark.parametrize("case,stored,held", [("gqa3_model2", 6, 3), ("mqa_model8_int8", 8, 1)])
+def test_kv_heads_the_model_axis_does_not_divide_are_copied(meshes, case, stored, held):
+    c = meshes["kv_copies"][case]
+    assert c["mesh"] == c["ref"]
+    assert c["pages"]["k_shape"][2] == stored and c["pages"]["k_shard_shape"][2] == held
+    assert c["pages"]["k_spec"] == ["data", None, "model"]
+
+
 def test_page_pool_is_divided_over_data_and_heads_over_model(meshes):
     """data=2,model=4: each device holds half the pages and one of the four KV heads; every
     request's pages come from its own replica's half (both replicas serve). The step is

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
+from jaxinfer import sharding
 from jaxinfer.engine.request import Request, RequestMetrics, RequestOutput
 from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
 from jaxinfer.engine.speculation import SpeculativeConfig, SpeculativeStats, propose_ngram
@@ -126,8 +127,6 @@ class Engine:
         # a mesh's data replicas each own max_slots / D slots and num_pages / D pages
         data = 1 if config.mesh is None else config.mesh.shape["data"]
         if config.mesh is not None:
-            from jaxinfer import sharding
-
             sharding.check_mesh(config.mesh, mc, config.max_slots)
         num_pages = config.num_pages or data * (config.max_slots // data * pages_per_seq + 1)
         if num_pages % data:
@@ -136,7 +135,8 @@ class Engine:
         self.max_model_len = max_len
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
-        self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache)
+        self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
+                                kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh))
         self._step, self._spec_step = engine_step, speculative_step
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
@@ -200,7 +200,8 @@ class Engine:
         self.draft = draft
         if draft.vocab_ids is not None:  # on the device once, not transferred every step
             self._draft_vocab = jax.device_put(np.asarray(draft.vocab_ids, np.int32))
-        self.draft_kv = init_paged_kv(draft.config, self.spec)
+        self.draft_kv = init_paged_kv(draft.config, self.spec,
+                                      kv_head_copies=sharding.kv_head_copies(draft.config.n_kv_heads, self.config.mesh))
 
     # ---- requests ---------------------------------------------------------------------------
 

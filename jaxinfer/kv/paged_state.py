@@ -113,7 +113,8 @@ class PagedKVState:
 
 
 def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
-                  streaming: StreamingSpec | None = None, kv_cache: KVCacheArg = "auto") -> PagedKVState:
+                  streaming: StreamingSpec | None = None, kv_cache: KVCacheArg = "auto",
+                  kv_head_copies: int = 1) -> PagedKVState:
     """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0.
 
     MLA models (`config.mla`) get `LatentKV` layers. `streaming` makes every slot a
@@ -121,11 +122,20 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
     pages). `kv_cache` picks the storage format: "auto" (`dtype`, full precision), a
     format name for every layer ("bf16", "int8", "fp8_e4m3", "int4", ...; see
     `jaxinfer.kv.formats`), a `KVCachePlan` or the path of a plan's JSON file.
+
+    `kv_head_copies` r > 1 stores every KV head r times (stored head s holds KV head s // r)
+    in the formats that split over a mesh's `model` axis (full precision, int8, fp8), so
+    a `model` axis with more devices than KV heads still gives each device heads of its own
+    (`jaxinfer.sharding.kv_head_copies`); the forward repeats K/V to match (`stored_kv_heads`).
     """
+    if not isinstance(kv_head_copies, int) or kv_head_copies < 1:
+        raise ValueError(f"kv_head_copies={kv_head_copies!r} must be a positive integer")
+    if kv_head_copies > 1 and config.mla is not None:
+        raise ValueError("MLA latent pages have no KV heads to copy (kv_head_copies must be 1)")
     dtype = jnp.dtype(dtype or config.dtype)
     if kv_cache != "auto" and (config.mla is not None or streaming is not None):
         _check_kv_cache_with(kv_cache, config, streaming)
-    shape = (spec.num_pages, spec.page_size, config.n_kv_heads, config.head_dim)
+    shape = (spec.num_pages, spec.page_size, config.n_kv_heads * kv_head_copies, config.head_dim)
     if config.mla is not None:
         from jaxinfer.kv.latent import LatentKV  # latent.py builds on this module
 
@@ -138,13 +148,19 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
         from jaxinfer.kv.quantized import make_layer_kv  # quantized.py builds on this module
 
         formats = resolve_kv_cache(kv_cache, config.n_layers, dtype.name)
-        layers = tuple(make_layer_kv(f, spec, config.n_kv_heads, config.head_dim, dtype) for f in formats)
+        layers = tuple(make_layer_kv(f, spec, config.n_kv_heads, config.head_dim, dtype, kv_head_copies) for f in formats)
     return PagedKVState(
         layers=layers,
         block_tables=jnp.full((spec.max_slots, spec.max_pages_per_seq), NULL_PAGE, jnp.int32),
         lengths=jnp.zeros((spec.max_slots,), jnp.int32),
         streaming=streaming,
     )
+
+
+def stored_kv_heads(layer_kv) -> int:
+    """KV heads a layer's pages hold (`n_kv_heads` times `kv_head_copies`): every per-head
+    format's first leaf is `[num_pages, page_size, heads, ...]`."""
+    return jax.tree.leaves(layer_kv)[0].shape[2]
 
 
 def _check_kv_cache_with(kv_cache: KVCacheArg, config: ModelConfig, streaming: StreamingSpec | None) -> None:

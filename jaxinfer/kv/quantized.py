@@ -187,9 +187,15 @@ def one_shot_round_trip(name: str, k: jax.Array, v: jax.Array, page_size: int, d
     return kq[:, :t].astype(dtype), vq[:, :t].astype(dtype)
 
 
-def make_layer_kv(name: str, spec: KVCacheSpec, n_kv_heads: int, head_dim: int, dtype) -> LayerKV | TokenQuantLayerKV | KiviLayerKV:
-    """An empty layer cache of format `name`; `dtype` is what `gather` returns (and the tail's dtype)."""
+def make_layer_kv(name: str, spec: KVCacheSpec, n_kv_heads: int, head_dim: int, dtype,
+                  kv_head_copies: int = 1) -> LayerKV | TokenQuantLayerKV | KiviLayerKV:
+    """An empty layer cache of format `name`; `dtype` is what `gather` returns (and the tail's dtype).
+
+    `kv_head_copies`: see `init_paged_kv`. KIVI layers keep one copy: they are not split over
+    `model` (their per-slot tails stay with GSPMD), so copies would only cost memory."""
     f = F.get_format(name)
+    if not f.has_tail:
+        n_kv_heads *= kv_head_copies
     dtype = jnp.dtype(dtype)
     pages = (spec.num_pages, spec.page_size, n_kv_heads)
     z = jnp.zeros  # a fresh buffer per field: donation rejects a buffer that appears twice

@@ -14,9 +14,12 @@ the attention run under `jax.shard_map`, each device on its own pages and heads:
                                              data assembles the output (x + 0 is exact)
     page id g, in replica r                  local id g - r * P/D (others dropped / clipped)
 
-KV heads are split over `model` when they divide evenly (each device then holds the query
-heads of its KV heads); otherwise K/V are replicated over `model` and every model device
-attends with all query heads (what replicated KV heads cost anyway).
+The stored KV heads are split over `model`, each device attending with the query heads that
+read them. With fewer KV heads than `model` devices the engine's pool keeps every KV head
+`jaxinfer.sharding.kv_head_copies` times (the forward repeats K/V to match), so this still
+holds: on model=8 with 4 KV heads and 8 query heads, device j stores a copy of KV head j // 2
+and attends with query head j. (A pool without copies whose heads do not divide is
+replicated over `model`, and every model device then attends with all query heads.)
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def sharded_write_and_attend(mesh, layer_kv, qs: list[jax.Array], ks: list[jax.A
     slots, and split over `data`; other groups are shared by every replica.
     """
     data = mesh.shape["data"]
-    spec = page_spec(ks[0].shape[2], mesh)  # [P, page, Hkv, ...]: pages on data, heads as the model's
+    spec = page_spec(ks[0].shape[2], mesh)  # [P, page, heads, ...]: pages on data, stored heads on model
     heads = spec[2]
     pages_per_replica = jax.tree.leaves(layer_kv)[0].shape[0] // data
     slots_per_replica = max_slots // data

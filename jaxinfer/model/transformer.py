@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv.paged_state import PagedKVState, WriteIndices, write_indices
+from jaxinfer.kv.paged_state import PagedKVState, WriteIndices, stored_kv_heads, write_indices
 from jaxinfer.kv.streaming import streaming_write_indices
 from jaxinfer.model.attention import streaming_attention_reference
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
@@ -78,12 +78,16 @@ def attention_block(
     qs = _split(linear(x, layer.wq, layer.bq).reshape(-1, c.n_heads, c.head_dim), groups)
     ks = _split(linear(x, layer.wk, layer.bk).reshape(-1, c.n_kv_heads, c.head_dim), groups)
     vs = _split(linear(x, layer.wv, layer.bv).reshape(-1, c.n_kv_heads, c.head_dim), groups)
+    layer_kv = kv.layers[layer_index]
+    copies = stored_kv_heads(layer_kv) // c.n_kv_heads
+    if copies > 1:  # the pool keeps each KV head `copies` times (`jaxinfer.sharding.kv_head_copies`)
+        ks = [jnp.repeat(k, copies, axis=2) for k in ks]  # [B, T, Hkv * copies, Dh]
+        vs = [jnp.repeat(v, copies, axis=2) for v in vs]
     if kv.streaming is not None:
         outs, layer_kv = _streaming_attention(c, layer_index, qs, ks, vs, idxs, inv_freq, kv)
         return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
     qs = [apply_rope(q, g.positions, inv_freq) for q, g in zip(qs, groups)]
     ks = [apply_rope(k, g.positions, inv_freq) for k, g in zip(ks, groups)]
-    layer_kv = kv.layers[layer_index]
 
     def attend(q, layer_kv, idx):
         return paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
