@@ -221,3 +221,22 @@ def test_two_token_groups_in_one_pass_equal_separate_passes():
     np.testing.assert_allclose(np.asarray(dec_both)[:3], np.asarray(dec_alone)[:3], atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(pre_both)[0, :6], np.asarray(pre_alone)[0, :6], atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(kv_both.lengths), [10, 10, 10, 6])
+
+
+def test_kv_head_copies_store_each_head_r_times_and_reject_bad_counts():
+    """init_paged_kv(kv_head_copies=r): r x the KV heads in per-head formats (KIVI keeps one);
+    r must divide the GQA group, and MLA has no heads to copy."""
+    from jaxinfer.kv import init_paged_kv
+    from test_attention_variants import mla_tiny_config
+
+    config, _ = tiny_model(n_heads=8, n_kv_heads=2)
+    spec = KVCacheSpec(num_pages=4, page_size=4, max_slots=2, max_pages_per_seq=2)
+    assert init_paged_kv(config, spec, kv_head_copies=4).layers[0].k.shape == (4, 4, 8, config.head_dim)
+    assert init_paged_kv(config, spec, kv_cache="int8", kv_head_copies=2).layers[0].k_scale.shape == (4, 4, 4)
+    assert init_paged_kv(config, spec, kv_cache="int4", kv_head_copies=2).layers[0].k_q.shape[2] == 2
+    with pytest.raises(ValueError, match="kv_head_copies=3 must divide"):
+        init_paged_kv(config, spec, kv_head_copies=3)
+    with pytest.raises(ValueError, match="positive integer"):
+        init_paged_kv(config, spec, kv_head_copies=0)
+    with pytest.raises(ValueError, match="MLA"):
+        init_paged_kv(mla_tiny_config(), spec, kv_head_copies=2)

@@ -132,6 +132,9 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
         raise ValueError(f"kv_head_copies={kv_head_copies!r} must be a positive integer")
     if kv_head_copies > 1 and config.mla is not None:
         raise ValueError("MLA latent pages have no KV heads to copy (kv_head_copies must be 1)")
+    if config.q_per_kv % kv_head_copies:
+        raise ValueError(f"kv_head_copies={kv_head_copies} must divide the query heads per KV head "
+                         f"({config.n_heads} / {config.n_kv_heads} = {config.q_per_kv}), or queries would read the wrong copy")
     dtype = jnp.dtype(dtype or config.dtype)
     if kv_cache != "auto" and (config.mla is not None or streaming is not None):
         _check_kv_cache_with(kv_cache, config, streaming)
