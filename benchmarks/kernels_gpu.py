@@ -101,10 +101,11 @@ def copy_bandwidth(iters: int, repeats: int, nbytes: int) -> float:
 
 
 def make_layer(fmt: str, num_pages: int, page_size: int, key, slots: int, dtype=jnp.bfloat16):
-    """A random cache layer in `fmt` (jaxinfer.kv.quantized layouts), every page full."""
+    """A random cache layer in `fmt` (jaxinfer.kv.formats layouts), every page full."""
     from jaxinfer.kv import formats as F
-    from jaxinfer.kv.paged_state import LayerKV
-    from jaxinfer.kv.quantized import KiviLayerKV, TokenQuantLayerKV
+    from jaxinfer.kv.dense import LayerKV
+    from jaxinfer.kv.kivi import KiviLayerKV
+    from jaxinfer.kv.token_quant import TokenQuantLayerKV
 
     kk, kv = jax.random.split(key)
     shape = (num_pages, page_size, HKV, DH)
@@ -125,7 +126,7 @@ def make_layer(fmt: str, num_pages: int, page_size: int, key, slots: int, dtype=
 def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int, repeats: int, copy_gbps: float,
                  interpret: bool = False):
     from jaxinfer.kv import formats as F
-    from jaxinfer.model.attention import paged_attention_reference
+    from jaxinfer.attention.reference import paged_attention_reference
     from pallas_kernels.formats import from_layer_kv
     from pallas_kernels.paged_decode_gpu import paged_decode_gpu
 
@@ -183,8 +184,8 @@ def summary(rows, copy_gbps: float, context: int) -> dict:
 
 def correctness_checks(small: bool = False) -> None:
     """Every kernel, compiled, against the reference on small inputs (bf16 activations)."""
-    from jaxinfer.model.attention import paged_attention_reference
-    from pallas_kernels.dispatch import paged_attention
+    from jaxinfer.attention.reference import paged_attention_reference
+    from jaxinfer.attention.dispatch import paged_attention
 
     b, t, page_size, pages_per_seq = 4, 8, 16, 2 if small else 8
     num_pages = b * pages_per_seq + 1

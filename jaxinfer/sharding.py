@@ -25,14 +25,13 @@ Layout on a ``data=D, model=M`` mesh (weights are ``[out, in]``)::
 The page pool is divided over `data`: replica r's devices hold pages [r * P/D, (r+1) * P/D),
 and the host allocator gives r's slots (r * max_slots/D ...) pages from that range only
 (`jaxinfer.kv.allocator.partition_pages`). The paged writes and attention run per device
-under `jax.shard_map` (`jaxinfer.model.paged_write_attend`), the Pallas kernels included, so
+under `jax.shard_map` (`jaxinfer.attention.mesh`), the Pallas kernels included, so
 no page crosses a device; the dense layers are left to GSPMD.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from typing import Any, Callable
@@ -42,6 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.layer_cache import stored_kv_heads
+from jaxinfer.kv.mesh_layout import kv_head_copies, kv_heads_axis, page_spec  # noqa: F401 (re-exported)
 
 AXES = ("data", "model")
 _SPEC_ITEM = re.compile(r"^\s*(\w+)\s*=\s*(\d+)\s*$")
@@ -112,30 +113,6 @@ def check_mesh(mesh: Mesh, config: ModelConfig, max_slots: int | None = None) ->
 # ---- parameter and cache shardings ----------------------------------------------------------
 
 
-def kv_heads_axis(n_kv_heads: int, mesh: Mesh) -> str | None:
-    """KV heads are split on `model` when they divide evenly (-> "model"), else replicated (None)."""
-    return "model" if n_kv_heads % mesh.shape["model"] == 0 else None
-
-
-def kv_head_copies(n_kv_heads: int, mesh: Mesh | None) -> int:
-    """How many times the page pool keeps each KV head so its heads split evenly over `model`.
-
-    With fewer KV heads than `model` devices (GQA/MQA on a wide `model` axis) the pages would
-    otherwise be replicated, and every device would attend with every query head. Keeping
-    each head r = M / gcd(Hkv, M) times (vLLM does the same) lets device j hold only the copies
-    its own query heads read (r divides the GQA group whenever n_heads % M == 0), so the
-    attention splits over `model` and each device's pages shrink to Hkv / gcd(Hkv, M) heads.
-    """
-    model = 1 if mesh is None else mesh.shape["model"]
-    return model // math.gcd(n_kv_heads, model)
-
-
-def page_spec(stored_heads: int, mesh: Mesh) -> P:
-    """A `[num_pages, page_size, heads, ...]` cache leaf: pages on `data`, the stored KV heads
-    (copies included) on `model` when they divide, else replicated."""
-    return P("data", None, kv_heads_axis(stored_heads, mesh))
-
-
 def _layer_specs(config: ModelConfig, mesh: Mesh) -> dict[str, P]:
     heads = kv_heads_axis(config.n_kv_heads, mesh)
     kv_rows, kv_bias = P(heads, None), P(heads)
@@ -200,15 +177,12 @@ def kv_shardings(kv: Any, mesh: Mesh) -> Any:
     always does). Other leaves (KIVI's per-slot tails) and the host-owned block tables and
     lengths are replicated.
     """
-    from jaxinfer.kv.paged_state import stored_kv_heads
-    from jaxinfer.model.paged_write_attend import splits_over_mesh
-
     data = mesh.shape["data"]
     if kv.num_pages % data:
         raise ValueError(f"a pool of {kv.num_pages} pages does not divide over the mesh's data={data} axis")
 
     def layer(layer_kv) -> Any:
-        if splits_over_mesh(layer_kv):
+        if layer_kv.splits_over_mesh:
             pages = NamedSharding(mesh, page_spec(stored_kv_heads(layer_kv), mesh))
             return jax.tree.map(lambda a: pages, layer_kv)
         return jax.tree.map(lambda a: NamedSharding(mesh, P("data") if a.shape[0] == kv.num_pages else P()), layer_kv)

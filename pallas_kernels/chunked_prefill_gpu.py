@@ -3,8 +3,7 @@
 Lowering: **Pallas Triton**, chosen explicitly with `jax.experimental.pallas.triton.CompilerParams`
 (deprecated from JAX 0.11; Mosaic GPU is its successor: see paged_decode_gpu.py).
 
-Reference: `pallas_kernels.reference.paged_attention_per_sequence` (and
-`jaxinfer.model.attention.paged_attention_reference`, which the engine uses).
+Reference: `jaxinfer.attention.reference.paged_attention_reference` (the engine's "reference" path).
 
 Shapes::
 

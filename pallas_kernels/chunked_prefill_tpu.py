@@ -4,8 +4,7 @@ Lowering: Pallas **Mosaic TPU** with `pltpu.PrefetchScalarGridSpec` (lengths, sl
 query block's [min, max] query position and the flattened block tables in SMEM drive the
 page index maps; tpu_tiles.py draws the walk). Verified in interpret mode only.
 
-Reference: `pallas_kernels.reference.paged_attention_per_sequence` (and
-`jaxinfer.model.attention.paged_attention_reference`).
+Reference: `jaxinfer.attention.reference.paged_attention_reference`.
 
 Shapes::
 

@@ -1,7 +1,7 @@
 """K/V page formats as the kernels read them, and the kernels' in-tile dequantization.
 
 The storage layouts are defined once, in `jaxinfer.kv.formats` (quantize / dequantize math)
-and `jaxinfer.kv.quantized` (the cache pytrees); `KernelPages` is a view of one layer's
+and `jaxinfer.kv.dense` / `token_quant` / `kivi` (the cache pytrees); `KernelPages` is a view of one layer's
 arrays in that layout (no copy) that the kernels block and dequantize tile by tile, never
 materialising a dequantized cache::
 
@@ -29,6 +29,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.kv import formats as F
+from jaxinfer.kv.dense import LayerKV
+from jaxinfer.kv.kivi import KiviLayerKV
+from jaxinfer.kv.token_quant import TokenQuantLayerKV
 
 KERNEL_FORMATS = ("dense", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
 
@@ -120,9 +123,6 @@ class KernelPages:
 
 def from_layer_kv(layer) -> KernelPages:
     """A jaxinfer layer cache (`LayerKV`, `TokenQuantLayerKV`, `KiviLayerKV`) as `KernelPages` (no copy)."""
-    from jaxinfer.kv.paged_state import LayerKV
-    from jaxinfer.kv.quantized import KiviLayerKV, TokenQuantLayerKV
-
     if isinstance(layer, LayerKV):
         return KernelPages(k=layer.k, v=layer.v)
     if isinstance(layer, TokenQuantLayerKV):

@@ -6,8 +6,8 @@ deprecated from JAX 0.11 and Mosaic GPU is its successor; this kernel uses only 
 (ref gathers, masked loads, `fori_loop`, dots) and keeps its math in `common.py`, so a Mosaic
 GPU port replaces the loads, not the softmax.
 
-Reference: `pallas_kernels.reference.paged_attention_per_sequence` with T = 1, and
-`jaxinfer.model.attention.paged_attention_reference` (the engine's path); tests/test_pallas_decode.py.
+Reference: `jaxinfer.attention.reference.paged_attention_reference` with T = 1 (the engine's
+"reference" path); tests/test_pallas_decode.py.
 
 Shapes::
 

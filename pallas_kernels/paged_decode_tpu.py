@@ -5,8 +5,7 @@ slots and the (flattened) block tables are scalar-prefetched into SMEM and drive
 index maps (tpu_tiles.py draws the walk). Verified in interpret mode only (no TPU was lent to
 this project yet).
 
-Reference: `pallas_kernels.reference.paged_attention_per_sequence` with T = 1 (and
-`jaxinfer.model.attention.paged_attention_reference`).
+Reference: `jaxinfer.attention.reference.paged_attention_reference` with T = 1.
 
 Shapes::
 

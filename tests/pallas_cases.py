@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.kv import formats as F
-from jaxinfer.kv.paged_state import NULL_PAGE, LayerKV
-from jaxinfer.kv.quantized import KiviLayerKV, TokenQuantLayerKV
-from jaxinfer.model.attention import paged_attention_reference
+from jaxinfer.kv.dense import LayerKV
+from jaxinfer.kv.pages import NULL_PAGE
+from jaxinfer.kv.kivi import KiviLayerKV
+from jaxinfer.kv.token_quant import TokenQuantLayerKV
+from jaxinfer.attention.reference import paged_attention_reference
 
 # Tightest tolerances the arithmetic allows (measured maxima in brackets):
 #   f32 compute (dense f32 and every quantized format with f32 queries): kernels and reference

@@ -18,8 +18,8 @@ from jaxinfer.kv.latent import LatentKV
 from jaxinfer.kv.streaming import StreamingSpec, ring_logical_index
 from jaxinfer.loading import Model
 from jaxinfer.model import forward, init_random_params
-from jaxinfer.model.attention import paged_attention_reference
-from jaxinfer.model.mla import mla_attention_reference
+from jaxinfer.attention.reference import paged_attention_reference
+from jaxinfer.attention.reference import mla_attention_reference
 from jaxinfer.sampling import SamplingParams
 from tiny_models import random_tokens, tiny_config, tiny_model
 

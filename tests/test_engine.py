@@ -14,7 +14,7 @@ from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.step import engine_step
 from jaxinfer.kv import KVCacheSpec, PageAllocator, init_paged_kv, partition_pages
-from jaxinfer.kv.paged_state import NULL_PAGE
+from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.loading import Model
 from jaxinfer.model import forward
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams

@@ -15,7 +15,7 @@ import pytest
 
 from jaxinfer.kv import KVCachePlan
 from jaxinfer.kv import calibrate as C
-from jaxinfer.kv.quantized import one_shot_round_trip
+from jaxinfer.kv.layer_cache import one_shot_round_trip
 from tiny_models import random_tokens, tiny_model
 
 # ---- the planner ---------------------------------------------------------------------------------

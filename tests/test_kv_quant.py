@@ -15,9 +15,10 @@ import pytest
 from jaxinfer.kv import KVCachePlan, KVCacheSpec, LayerKV, block_table_array, init_paged_kv
 from jaxinfer.kv import formats as F
 from jaxinfer.kv.paged_state import write_indices
-from jaxinfer.kv.quantized import KiviLayerKV, one_shot_round_trip
+from jaxinfer.kv.kivi import KiviLayerKV
+from jaxinfer.kv.layer_cache import one_shot_round_trip
 from jaxinfer.model import forward
-from jaxinfer.model.attention import paged_attention_reference
+from jaxinfer.attention.reference import paged_attention_reference
 from tiny_models import random_tokens, tiny_config, tiny_model
 
 ULP = 2.0**-22  # a few f32 roundings (x / s, q * s) on top of each analytic bound

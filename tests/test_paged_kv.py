@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from jaxinfer.kv import NULL_PAGE, KVCacheSpec, LayerKV, OutOfPagesError, PageAllocator, partition_pages
 from jaxinfer.model import forward
-from jaxinfer.model.attention import paged_attention_reference
+from jaxinfer.attention.reference import paged_attention_reference
 from tiny_models import kv_with_pages, random_tokens, tiny_model
 
 SPEC = KVCacheSpec(num_pages=24, page_size=4, max_slots=2, max_pages_per_seq=6)

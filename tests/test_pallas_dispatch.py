@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv
-from jaxinfer.kv.paged_state import LayerKV
+from jaxinfer.kv.dense import LayerKV
 from jaxinfer.model import forward
-from pallas_kernels import dispatch
+from jaxinfer.attention import dispatch
 from tiny_models import random_tokens, tiny_model
 
 SPEC = KVCacheSpec(num_pages=16, page_size=4, max_slots=2, max_pages_per_seq=4)
@@ -102,3 +102,39 @@ def test_engine_gives_the_same_greedy_tokens_with_the_kernels():
         cfg = EngineConfig(max_slots=2, page_size=4, prefill_chunk=4, max_model_len=32, attention_impl=impl)
         outs[impl] = [o.token_ids for o in Engine(model, cfg).generate(prompts, sp)]
     assert outs["pallas"] == outs["reference"]
+
+
+def _mla_config():
+    from jaxinfer.config import MLAConfig
+    from tiny_models import tiny_config
+
+    mla = MLAConfig(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=6, q_lora_rank=24)
+    return tiny_config(arch="deepseek_v3", n_heads=4, n_kv_heads=4, head_dim=12, mla=mla)
+
+
+@pytest.mark.parametrize("variant", ["mla", "streaming"])
+def test_every_variant_goes_through_the_dispatch(variant):
+    """MLA and the StreamingLLM ring have no kernel: a kernel impl says so (it used to be
+    ignored silently), "auto" and "reference" give the same logits."""
+    from jaxinfer.kv import StreamingSpec
+    from jaxinfer.model import init_random_params
+
+    config = _mla_config() if variant == "mla" else tiny_model()[0]
+    params = init_random_params(config, seed=0, scale=0.3)
+    streaming = StreamingSpec(num_sinks=2, window=6) if variant == "streaming" else None
+    spec = KVCacheSpec(num_pages=9, page_size=4, max_slots=2, max_pages_per_seq=4)
+
+    def run(impl):
+        kv = init_paged_kv(config, spec, streaming=streaming)
+        kv = kv.replace(block_tables=jnp.asarray(block_table_array([[1, 2, 3, 4], [5, 6, 7, 8]], 4)))
+        tokens = jnp.asarray(random_tokens((2, 5), config.vocab_size, seed=1))
+        logits, _ = forward(params, config, tokens, jnp.broadcast_to(jnp.arange(5), (2, 5)), kv, attention_impl=impl)
+        return np.asarray(logits)
+
+    want = "MLA latent attention" if variant == "mla" else "StreamingLLM ring attention"
+    for impl in ("pallas", "pallas_gpu", "pallas_tpu"):
+        with pytest.raises(ValueError, match=f"attention_impl='{impl}': no Pallas kernel implements {want}"):
+            run(impl)
+    np.testing.assert_array_equal(run("auto"), run("reference"))
+    with pytest.raises(ValueError, match="must be one of"):
+        run("triton")

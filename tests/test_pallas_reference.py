@@ -1,4 +1,4 @@
-"""The kernels' reference and shared pieces, checked by hand and against jaxinfer's reference (no kernels run)."""
+"""The one attention reference checked by hand, and the kernels' shared pieces (no kernels run)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kv.paged_state import LayerKV
-from jaxinfer.model.attention import paged_attention_reference
+from jaxinfer.attention.reference import paged_attention_reference
+from jaxinfer.kv.dense import LayerKV
 from pallas_kernels.common import AttentionOptions, page_schedule
 from pallas_kernels.formats import KernelPages, from_layer_kv
-from pallas_kernels.reference import paged_attention_per_sequence
-from pallas_cases import assert_close, make_case, reference
 
 # One sequence, one head, Dh = 1, page_size 2, q = 1, scale 1; keys at positions 0, 1, 2 hold
 # log 1, log 2, log 3, so exp(score) = 1, 2, 3; values 1, 2, 3. The query sits at position 2.
@@ -34,27 +32,12 @@ HAND = [
 
 
 @pytest.mark.parametrize("options,expected", HAND, ids=["causal", "window", "sinks", "sink_logit", "soft_cap"])
-def test_references_match_hand_computed_values(options, expected):
+def test_reference_matches_hand_computed_values(options, expected):
     k = jnp.array([0.0, math.log(2.0), math.log(3.0), jnp.nan]).reshape(2, 2, 1, 1)  # position 3: NaN, unowned
     v = jnp.array([1.0, 2.0, 3.0, jnp.nan]).reshape(2, 2, 1, 1)
     q, table, lengths, query = jnp.ones((1, 1, 1, 1)), jnp.array([[0, 1]]), jnp.array([3]), jnp.array([[2]])
-    sink = options.pop("sink_logits", None)
-    opts = AttentionOptions(**options)
-    ours = paged_attention_per_sequence(q, KernelPages(k, v), table, lengths, query, 1.0, opts, sink)
-    shared = paged_attention_reference(q, LayerKV(k, v), table, lengths, query, 1.0, sink_logits=sink, **options)
-    np.testing.assert_allclose(float(ours[0, 0, 0, 0]), expected, rtol=1e-6)
-    np.testing.assert_allclose(float(shared[0, 0, 0, 0]), expected, rtol=1e-6)
-
-
-@pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
-def test_per_sequence_reference_matches_shared_reference(fmt):
-    """Every format (KIVI tails included), every option, a chunk of queries, NaN-poisoned pool."""
-    case = make_case(fmt, "float32", lengths=[3, 4, 9, 13], t=3, seed=1)
-    options = dict(window=4, num_sinks=2, soft_cap=3.0, sink_logits=jnp.array([0.5, -1.0, 0.0, 2.0]))
-    opts = AttentionOptions(options["window"], options["num_sinks"], options["soft_cap"])
-    ours = paged_attention_per_sequence(case.q, from_layer_kv(case.layer), case.block_tables, case.lengths,
-                                        case.query_index, case.scale, opts, options["sink_logits"], case.slots)
-    assert_close(ours, reference(case, **options), "float32")
+    out = paged_attention_reference(q, LayerKV(k, v), table, lengths, query, 1.0, **options)
+    np.testing.assert_allclose(float(out[0, 0, 0, 0]), expected, rtol=1e-6)
 
 
 def _pages_needed(length, q_lo, q_hi, page, window, sinks):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
-from jaxinfer.kv.paged_state import NULL_PAGE
+from jaxinfer.kv.pages import NULL_PAGE
 
 
 class OutOfPagesError(RuntimeError):

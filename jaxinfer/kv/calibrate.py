@@ -41,9 +41,10 @@ from flax import struct
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv import formats as F
-from jaxinfer.kv.paged_state import KVCacheSpec, PagedKVState, block_table_array, gather_pages, init_paged_kv, scatter_tokens, write_indices
+from jaxinfer.kv.layer_cache import one_shot_round_trip
+from jaxinfer.kv.pages import KVCacheSpec, block_table_array, gather_pages, scatter_tokens
+from jaxinfer.kv.paged_state import PagedKVState, init_paged_kv, write_indices
 from jaxinfer.kv.plan import KVCachePlan
-from jaxinfer.kv.quantized import one_shot_round_trip
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
 from jaxinfer.model.params import ModelParams
 from jaxinfer.model.transformer import TokenGroup, attention_block, forward_groups, lm_head

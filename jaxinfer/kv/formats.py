@@ -1,7 +1,7 @@
 """KV-cache storage formats: names, byte accounting, and the quantize / dequantize math.
 
 This module is the single definition of every cache format; the cache pytrees
-(`jaxinfer.kv.quantized`) and the fused Pallas kernels both import it. It depends on
+(`jaxinfer.kv.layer_cache`) and the fused Pallas kernels both import it. It depends on
 nothing but jax and numpy.
 
 Storage layout, per layer (P = num_pages, S = page_size, H = n_kv_heads, D = head_dim,

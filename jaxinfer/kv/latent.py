@@ -2,24 +2,29 @@
 
 DeepSeek-V2/V3 multi-head latent attention caches `kv_lora_rank + qk_rope_dim` numbers
 per token and layer instead of per-head keys and values (576 vs 40960 for DeepSeek-V3).
-`LatentKV` plays the role `LayerKV` plays for MHA/GQA: `write` scatters this step's
-tokens into the pages, `gather` reads each sequence's pages in logical order.
+`LatentKV` plays the role `LayerKV` plays for MHA/GQA (the `LayerCache` protocol,
+`jaxinfer.kv.layer_cache`): `write` scatters this step's tokens into the pages, `gather`
+reads each sequence's pages in logical order.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.config import MLAConfig
-from jaxinfer.kv.paged_state import KVCacheSpec, WriteIndices, gather_pages, scatter_tokens
+from jaxinfer.kv.pages import KVCacheSpec, WriteIndices, gather_pages, scatter_tokens
 
 
 @struct.dataclass
 class LatentKV:
     c_kv: jax.Array  # [num_pages, page_size, kv_lora_rank]: kv_a_layernorm(latent), shared by all heads
     k_rope: jax.Array  # [num_pages, page_size, qk_rope_dim]: rotated RoPE key, shared by all heads
+
+    splits_over_mesh: ClassVar[bool] = False  # no KV heads to split: left to GSPMD
 
     @classmethod
     def zeros(cls, mla: MLAConfig, spec: KVCacheSpec, dtype) -> LatentKV:
@@ -33,5 +38,9 @@ class LatentKV:
     def gather(self, block_tables: jax.Array, lengths: jax.Array | None = None,
                slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Each sequence's pages in logical order: [B, S, r] and [B, S, dr] (`lengths` and
-        `slots` are unused; they keep the `LayerKV.gather` signature)."""
+        `slots` are unused; they keep the protocol's signature)."""
         return gather_pages(self.c_kv, block_tables), gather_pages(self.k_rope, block_tables)
+
+    def bytes_per_token(self) -> float:
+        """The latent and the RoPE key of one token (shared by every head)."""
+        return (self.c_kv.shape[2] + self.k_rope.shape[2]) * jnp.dtype(self.c_kv.dtype).itemsize

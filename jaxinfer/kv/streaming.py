@@ -11,7 +11,7 @@ at cache slot::
                                     holds token  0 1 | 6 7 8 5     (tokens 2..4 evicted)
 
 Keys are stored before RoPE; attention rotates them by their position inside the cache
-(`jaxinfer.model.attention.streaming_attention_reference`).
+(`jaxinfer.attention.reference.streaming_attention_reference`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv.paged_state import NULL_PAGE, PagedKVState, WriteIndices, write_indices
+from jaxinfer.kv.pages import NULL_PAGE, WriteIndices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +66,10 @@ def ring_logical_index(spec: StreamingSpec, cached: jax.Array) -> tuple[jax.Arra
     return index, valid
 
 
-def streaming_write_indices(state: PagedKVState, spec: StreamingSpec, slots: jax.Array,
-                            num_new: jax.Array, seq_len: int) -> WriteIndices:
-    """`write_indices` for a ring: each row's new tokens land at `ring_slot` of their index.
+def ring_write_indices(idx: WriteIndices, spec: StreamingSpec, num_new: jax.Array, page_size: int,
+                       num_pages: int) -> WriteIndices:
+    """Logical write indices (`jaxinfer.kv.paged_state.write_indices`) -> a ring's: each row's
+    new tokens land at `ring_slot` of their index.
 
     `cache_index` stays the logical index (the attention needs it). Of the tokens a row
     writes in one step, a recent token is dropped when a later token of the same step
@@ -76,15 +77,14 @@ def streaming_write_indices(state: PagedKVState, spec: StreamingSpec, slots: jax
     The rows' block tables come back exactly `spec.pages_for(page_size)` wide: a narrower
     table (a short sequence in a narrow context bucket) is padded with NULL_PAGE.
     """
-    idx = write_indices(state, slots, num_new, seq_len)
-    pages = spec.pages_for(state.page_size)
+    pages = spec.pages_for(page_size)
     tables = idx.block_tables[:, :pages]
     tables = jnp.pad(tables, ((0, 0), (0, pages - tables.shape[1])), constant_values=NULL_PAGE)
     index = idx.cache_index
-    t = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+    t = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
     keep = (t < num_new[:, None]) & ((index < spec.num_sinks) | (index >= idx.new_lengths[:, None] - spec.window))
     slot = ring_slot(spec, index)
-    page_ids = jnp.take_along_axis(tables, slot // state.page_size, axis=1)
+    page_ids = jnp.take_along_axis(tables, slot // page_size, axis=1)
     valid = keep & (page_ids != NULL_PAGE)
-    return dataclasses.replace(idx, block_tables=tables, page_ids=jnp.where(valid, page_ids, state.num_pages),
-                               offsets=slot % state.page_size)
+    return dataclasses.replace(idx, block_tables=tables, page_ids=jnp.where(valid, page_ids, num_pages),
+                               offsets=slot % page_size)

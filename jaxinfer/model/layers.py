@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import Llama3RopeScaling
+from jaxinfer.attention.rope import apply_rope, rope_inv_freq  # re-exported: RoPE lives with attention
+
+__all__ = ["apply_rope", "linear", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -26,37 +26,3 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(gate(x)) * up(x)); x: [..., D] -> [..., D]."""
     return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> jax.Array:
-    """f32[head_dim // 2]: the rotation frequency of each pair of channels."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    if scaling is None:
-        return inv_freq
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
-    # between is interpolated smoothly (HF `_compute_llama3_parameters`).
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
-    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return jnp.where(is_medium, interpolated, scaled)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x: [B, T, H, Dh] by positions: i32[B, T] (HF "rotate_half" channel pairing).
-
-    Channel i is paired with channel i + Dh/2, which is the HF layout of q/k weights
-    (GGUF's interleaved layout is un-permuted at load time).
-    """
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)

@@ -16,15 +16,16 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxinfer.attention import dispatch
+from jaxinfer.attention.mesh import sharded_write_and_attend, write_and_attend
+from jaxinfer.attention.rope import apply_rope, rope_inv_freq
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv.paged_state import PagedKVState, WriteIndices, stored_kv_heads, write_indices
-from jaxinfer.kv.streaming import streaming_write_indices
-from jaxinfer.model.attention import streaming_attention_reference
-from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxinfer.kv.layer_cache import stored_kv_heads
+from jaxinfer.kv.pages import WriteIndices
+from jaxinfer.kv.paged_state import PagedKVState, write_indices
+from jaxinfer.model.layers import linear, rms_norm, swiglu_mlp
 from jaxinfer.model.mla import mla_attention
-from jaxinfer.model.paged_write_attend import sharded_write_and_attend, splits_over_mesh, write_and_attend
 from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams
-from pallas_kernels.dispatch import paged_attention
 
 
 @struct.dataclass
@@ -65,15 +66,16 @@ def attention_block(
     idxs: list[WriteIndices],
     inv_freq: jax.Array,  # f32[Dh/2]
     kv: PagedKVState,
-    attention_impl: str = "reference",  # "auto" | "reference" | "pallas" (pallas_kernels.dispatch)
+    attention_impl: str = "reference",  # "auto" | "reference" | "pallas" (`jaxinfer.attention.dispatch`)
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, PagedKVState]:
     """Project, rotate, write every group's K/V into the pages, attend per group (per device
-    under `shard_map` on a mesh: `jaxinfer.model.paged_write_attend`)."""
+    under `shard_map` on a mesh: `jaxinfer.attention.mesh`). Every variant (paged, MLA,
+    StreamingLLM ring) goes through `jaxinfer.attention.dispatch` with `attention_impl`."""
     c = config
     if c.mla is not None:
         outs, layer_kv = mla_attention(c, layer, _split(x, groups), [g.positions for g in groups], idxs,
-                                       inv_freq, kv.layers[layer_index])
+                                       inv_freq, kv.layers[layer_index], attention_impl)
         return linear(_flat(outs), layer.wo), _replace_layer(kv, layer_index, layer_kv)
     qs = _split(linear(x, layer.wq, layer.bq).reshape(-1, c.n_heads, c.head_dim), groups)
     ks = _split(linear(x, layer.wk, layer.bk).reshape(-1, c.n_kv_heads, c.head_dim), groups)
@@ -84,17 +86,17 @@ def attention_block(
         ks = [jnp.repeat(k, copies, axis=2) for k in ks]  # [B, T, Hkv * copies, Dh]
         vs = [jnp.repeat(v, copies, axis=2) for v in vs]
     if kv.streaming is not None:
-        outs, layer_kv = _streaming_attention(c, layer_index, qs, ks, vs, idxs, inv_freq, kv)
+        outs, layer_kv = _streaming_attention(c, layer_index, qs, ks, vs, idxs, inv_freq, kv, attention_impl)
         return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
     qs = [apply_rope(q, g.positions, inv_freq) for q, g in zip(qs, groups)]
     ks = [apply_rope(k, g.positions, inv_freq) for k, g in zip(ks, groups)]
 
     def attend(q, layer_kv, idx):
-        return paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
-                               scale=1.0 / math.sqrt(c.head_dim), window=c.window(layer_index), slots=idx.slots,
-                               impl=attention_impl)
+        return dispatch.paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
+                                        scale=1.0 / math.sqrt(c.head_dim), window=c.window(layer_index),
+                                        slots=idx.slots, impl=attention_impl)
 
-    if mesh is not None and splits_over_mesh(layer_kv):
+    if mesh is not None and layer_kv.splits_over_mesh:
         outs, layer_kv = sharded_write_and_attend(mesh, layer_kv, qs, ks, vs, idxs, tuple(g.by_replica for g in groups),
                                                   attend, kv.max_slots)
     else:  # one device, or a format GSPMD partitions by itself
@@ -102,14 +104,15 @@ def attention_block(
     return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
 
 
-def _streaming_attention(c: ModelConfig, layer_index: int, qs, ks, vs, idxs, inv_freq, kv: PagedKVState):
+def _streaming_attention(c: ModelConfig, layer_index: int, qs, ks, vs, idxs, inv_freq, kv: PagedKVState,
+                         attention_impl: str):
     """Bounded sink + ring cache: attend over the ring as it was plus this step's own
     (un-rotated) keys, then write them; token positions are assigned inside the cache."""
     layer_kv = kv.layers[layer_index]
     outs = [
-        streaming_attention_reference(q, k, v, layer_kv, idx.block_tables, idx.cache_index[:, 0],
-                                      idx.new_lengths - idx.cache_index[:, 0], kv.streaming, inv_freq,
-                                      1.0 / math.sqrt(c.head_dim), window=c.window(layer_index))
+        dispatch.streaming_attention(q, k, v, layer_kv, idx.block_tables, idx.cache_index[:, 0],
+                                     idx.new_lengths - idx.cache_index[:, 0], kv.streaming, inv_freq,
+                                     1.0 / math.sqrt(c.head_dim), window=c.window(layer_index), impl=attention_impl)
         for q, k, v, idx in zip(qs, ks, vs, idxs)
     ]
     for k, v, idx in zip(ks, vs, idxs):
@@ -140,14 +143,11 @@ def forward_groups(
     A row with `num_new[b] == 0` writes nothing and leaves its slot untouched.
     With `kv.streaming`, slots are bounded sink + recent rings and the RoPE positions are
     assigned inside the cache (`positions` is not used). `attention_impl` picks the paged
-    attention: the jnp reference, the Pallas kernels, or "auto" (`pallas_kernels.dispatch`).
+    attention: the jnp reference, the Pallas kernels, or "auto" (`jaxinfer.attention.dispatch`).
     `mesh`: the ("data", "model") mesh the params and pages are sharded on (`jaxinfer.sharding`);
     the paged writes and attention then run per device, each on its own pages.
     """
-    if kv.streaming is None:
-        idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
-    else:
-        idxs = [streaming_write_indices(kv, kv.streaming, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
+    idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_dim
     inv_freq = rope_inv_freq(rope_dim, config.rope_theta, config.rope_scaling)
     x = _flat([params.embed[g.tokens] for g in groups]).astype(config.jnp_dtype)  # [N, D]

@@ -4,7 +4,8 @@ On a ("data", "model") mesh the page pool is split over both axes: pages over `d
 (replica r holds pages [r * P/D, (r + 1) * P/D), the range the host allocator gives r's
 slots: `jaxinfer.kv.allocator.partition_pages`) and KV heads over `model`. GSPMD cannot
 split a gather through block tables (nor a Pallas call) by itself, so here the writes and
-the attention run under `jax.shard_map`, each device on its own pages and heads::
+the attention (`jaxinfer.attention.dispatch`, kernels included) run under `jax.shard_map`,
+each device on its own pages and heads::
 
     group by replica ([B, T], B % D == 0)    rows split over data: replica r takes block r,
                                              rows of its own slots (the decode group, row b =
@@ -16,7 +17,7 @@ the attention run under `jax.shard_map`, each device on its own pages and heads:
 
 The stored KV heads are split over `model`, each device attending with the query heads that
 read them. With fewer KV heads than `model` devices the engine's pool keeps every KV head
-`jaxinfer.sharding.kv_head_copies` times (the forward repeats K/V to match), so this still
+`jaxinfer.kv.mesh_layout.kv_head_copies` times (the forward repeats K/V to match), so this still
 holds: on model=8 with 4 KV heads and 8 query heads, device j stores a copy of KV head j // 2
 and attends with query head j. (A pool without copies whose heads do not divide is
 replicated over `model`, and every model device then attends with all query heads.)
@@ -31,32 +32,27 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.kv.paged_state import LayerKV, WriteIndices
-from jaxinfer.kv.quantized import TokenQuantLayerKV
-from jaxinfer.sharding import page_spec
+from jaxinfer.kv.layer_cache import LayerCache
+from jaxinfer.kv.mesh_layout import page_spec
+from jaxinfer.kv.pages import WriteIndices
 
 # attend(q [B, T, Hq, Dh], layer_kv, idx) -> [B, T, Hq, Dh]
-Attend = Callable[[jax.Array, object, WriteIndices], jax.Array]
+Attend = Callable[[jax.Array, LayerCache, WriteIndices], jax.Array]
 
 
-def write_and_attend(layer_kv, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
-                     idxs: list[WriteIndices], attend: Attend) -> tuple[list[jax.Array], object]:
+def write_and_attend(layer_kv: LayerCache, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
+                     idxs: list[WriteIndices], attend: Attend) -> tuple[list[jax.Array], LayerCache]:
     """All groups' writes first (groups are distinct slots), then attention per group."""
     for k, v, idx in zip(ks, vs, idxs):
         layer_kv = layer_kv.write(k, v, idx)
     return [attend(q, layer_kv, idx) for q, idx in zip(qs, idxs)], layer_kv
 
 
-def splits_over_mesh(layer_kv) -> bool:
-    """Formats whose every leaf is [num_pages, page_size, Hkv, ...] (dense, int8, fp8) run
-    per device; others (KIVI's per-slot tails, MLA's latent pages) stay with GSPMD."""
-    return isinstance(layer_kv, (LayerKV, TokenQuantLayerKV))
-
-
-def sharded_write_and_attend(mesh, layer_kv, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
+def sharded_write_and_attend(mesh, layer_kv: LayerCache, qs: list[jax.Array], ks: list[jax.Array], vs: list[jax.Array],
                              idxs: list[WriteIndices], by_replica: tuple[bool, ...], attend: Attend,
-                             max_slots: int) -> tuple[list[jax.Array], object]:
-    """`write_and_attend` under `jax.shard_map` over `mesh` (see the module docstring).
+                             max_slots: int) -> tuple[list[jax.Array], LayerCache]:
+    """`write_and_attend` under `jax.shard_map` over `mesh` (see the module docstring), for a
+    cache whose `splits_over_mesh` is True (every leaf `[num_pages, page_size, heads, ...]`).
 
     `by_replica[g]`: group g's rows come in `data` equal blocks, block r of replica r's
     slots, and split over `data`; other groups are shared by every replica.

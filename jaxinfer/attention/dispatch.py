@@ -1,0 +1,175 @@
+"""The one entry the model calls for attention: every variant, by `impl`, reference or kernel.
+
+    variant                 function              reference                        kernels
+    paged (MHA/GQA/MQA,     paged_attention       paged_attention_reference        decode (T == 1) and
+      window, sinks,                                                               chunked prefill, GPU
+      sink logits, soft-cap)                                                       and TPU, every
+                                                                                   per-head cache format
+    StreamingLLM ring       streaming_attention   streaming_attention_reference    none
+    MLA latent              mla_attention         mla_attention_reference          none
+
+`impl` (the engine's `attention_impl`):
+
+    "reference"            the jnp reference (`jaxinfer.attention.reference`)
+    "pallas"               the kernels of the backend: GPU (Triton-lowered) on GPU, TPU (Mosaic) on
+                           TPU; on CPU the GPU-style kernels in interpret mode (slow: tests only)
+    "pallas_gpu" / "pallas_tpu"   that target's kernels (interpret mode off their backend)
+    "auto"                 kernels on GPU/TPU when they take this variant, cache and shapes, else
+                           the reference (always the reference on CPU)
+
+A kernel impl asked for a variant or cache it has no kernel for raises ValueError saying
+why; "auto" falls back to the reference. The kernels (`pallas_kernels`) know the cache
+formats and jax only; they are imported here on first use, so the reference path never
+loads Pallas.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxinfer.attention.reference import (mla_attention_reference, paged_attention_reference,
+                                          streaming_attention_reference)
+from jaxinfer.kv.latent import LatentKV
+from jaxinfer.kv.layer_cache import LayerCache
+from jaxinfer.kv.streaming import StreamingSpec
+
+IMPLS = ("auto", "reference", "pallas", "pallas_gpu", "pallas_tpu")
+KERNEL_IMPLS = ("pallas", "pallas_gpu", "pallas_tpu")
+
+
+def paged_attention(
+    q: jax.Array,  # [B, T, Hq, Dh]: queries, already rotated
+    layer_kv: LayerCache,  # one layer's cache, this step's keys and values already written
+    block_tables: jax.Array,  # i32[B, max_pages]
+    kv_lengths: jax.Array,  # i32[B]: cached tokens per sequence, this step's included
+    query_index: jax.Array,  # i32[B, T]: cache position of each query (causal limit)
+    scale: float,
+    *,
+    window: int | None = None,
+    num_sinks: int = 0,
+    sink_logits: jax.Array | None = None,  # f32[Hq]
+    soft_cap: float | None = None,
+    slots: jax.Array | None = None,  # i32[B]: cache slot of each row (KIVI tails)
+    impl: str = "auto",
+) -> jax.Array:
+    """Causal GQA attention through block tables -> [B, T, Hq, Dh] (dtype of q), by `impl`."""
+    target, interpret = resolve_impl(impl, q, layer_kv)
+    if target is None:
+        return paged_attention_reference(q, layer_kv, block_tables, kv_lengths, query_index, scale, window=window,
+                                         num_sinks=num_sinks, sink_logits=sink_logits, soft_cap=soft_cap, slots=slots)
+    from pallas_kernels.common import AttentionOptions
+    from pallas_kernels.formats import from_layer_kv
+
+    pages = from_layer_kv(layer_kv)
+    if pages.k_tail is not None and slots is None:
+        raise ValueError(f"the {pages.format!r} cache keeps its current page per slot: pass slots=")
+    opts = AttentionOptions(window=window, num_sinks=num_sinks, soft_cap=soft_cap)
+    args = dict(scale=scale, opts=opts, interpret=interpret)
+    if q.shape[1] == 1:
+        decode = _kernel(target, "decode")
+        out = decode(q[:, 0], pages, block_tables, kv_lengths, query_index[:, 0], sink_logits, slots, **args)
+        return out[:, None]
+    prefill = _kernel(target, "prefill")
+    return prefill(q, pages, block_tables, kv_lengths, query_index, sink_logits, slots, **args)
+
+
+def streaming_attention(
+    q: jax.Array,  # [B, T, Hq, Dh]: queries, NOT rotated
+    k_new: jax.Array,  # [B, T, Hkv, Dh]: this step's keys, NOT rotated
+    v_new: jax.Array,  # [B, T, Hkv, Dh]
+    layer_kv: LayerCache,  # the ring BEFORE this step's write
+    block_tables: jax.Array,  # i32[B, max_pages]
+    cached: jax.Array,  # i32[B]: tokens the sequence had seen before this step
+    num_new: jax.Array,  # i32[B]
+    streaming: StreamingSpec,
+    inv_freq: jax.Array,  # f32[Dh/2]
+    scale: float,
+    *,
+    window: int | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """StreamingLLM attention over a sink + recent-token ring -> [B, T, Hq, Dh] (reference only)."""
+    require_reference(impl, "StreamingLLM ring attention")
+    return streaming_attention_reference(q, k_new, v_new, layer_kv, block_tables, cached, num_new, streaming,
+                                         inv_freq, scale, window=window)
+
+
+def mla_attention(
+    q_nope: jax.Array,  # [B, T, H, dn]
+    q_rope: jax.Array,  # [B, T, H, dr]: rotated
+    latent: LatentKV,  # this step's tokens already written
+    w_uk: jax.Array,  # [H, dn, r]
+    w_uv: jax.Array,  # [H, dv, r]
+    block_tables: jax.Array,  # i32[B, max_pages]
+    kv_lengths: jax.Array,  # i32[B]
+    query_index: jax.Array,  # i32[B, T]
+    scale: float,
+    *,
+    absorb: bool,
+    impl: str = "auto",
+) -> jax.Array:
+    """DeepSeek MLA over the latent cache -> [B, T, H, dv] (reference only)."""
+    require_reference(impl, "MLA latent attention")
+    return mla_attention_reference(q_nope, q_rope, latent, w_uk, w_uv, block_tables, kv_lengths, query_index,
+                                   scale, absorb=absorb)
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"attention_impl={impl!r} must be one of {IMPLS}")
+
+
+def require_reference(impl: str, variant: str) -> None:
+    """Variants with no kernel: "auto" and "reference" run the reference, a kernel impl is an error."""
+    check_impl(impl)
+    if impl in KERNEL_IMPLS:
+        raise ValueError(f"attention_impl={impl!r}: no Pallas kernel implements {variant}; "
+                         "use attention_impl='reference' or 'auto'")
+
+
+def resolve_impl(impl: str, q: jax.Array, layer_kv: LayerCache) -> tuple[str | None, bool]:
+    """-> (kernel target "gpu" | "tpu", or None for the reference; interpret mode?)."""
+    check_impl(impl)
+    backend = jax.default_backend()
+    if impl == "reference" or (impl == "auto" and backend not in ("gpu", "tpu")):
+        return None, False
+    target = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(impl, "tpu" if backend == "tpu" else "gpu")
+    interpret = backend != target
+    reason = unsupported_reason(q, layer_kv, target, interpret)
+    if reason is None:
+        return target, interpret
+    if impl == "auto":
+        return None, False
+    raise ValueError(f"attention_impl={impl!r}: {reason}")
+
+
+def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpret: bool) -> str | None:
+    """Why the `target` kernels cannot take this cache and these shapes (None: they can)."""
+    from pallas_kernels.formats import from_layer_kv
+
+    try:
+        pages = from_layer_kv(layer_kv)
+        pages.validate()
+    except ValueError as err:
+        return str(err)
+    if target == "gpu" and not interpret:
+        from pallas_kernels.gpu_tiles import default_pages_per_block
+        from pallas_kernels.paged_decode_gpu import check_triton_shapes
+
+        try:
+            check_triton_shapes(pages.page_size, q.shape[-1] // pages.parts, default_pages_per_block(pages.page_size, 1))
+        except ValueError as err:
+            return str(err)
+    return None
+
+
+def _kernel(target: str, kind: str):
+    if (target, kind) == ("gpu", "decode"):
+        from pallas_kernels.paged_decode_gpu import paged_decode_gpu as fn
+    elif (target, kind) == ("tpu", "decode"):
+        from pallas_kernels.paged_decode_tpu import paged_decode_tpu as fn
+    elif target == "gpu":
+        from pallas_kernels.chunked_prefill_gpu import chunked_prefill_gpu as fn
+    else:
+        from pallas_kernels.chunked_prefill_tpu import chunked_prefill_tpu as fn
+    return fn

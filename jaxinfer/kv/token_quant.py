@@ -1,0 +1,66 @@
+"""int8 / fp8 pages: every token of every KV head quantized on write with its own absmax scale.
+
+The math and the storage layout are in `jaxinfer.kv.formats`; this module only places
+codes and scales into pages and dequantizes the pages a gather names.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+from flax import struct
+
+from jaxinfer.kv import formats as F
+from jaxinfer.kv.pages import WriteIndices, gather_pages, scatter_tokens
+
+
+@struct.dataclass
+class TokenQuantLayerKV:
+    """One layer's int8 / fp8 pages (the `LayerCache` protocol, `jaxinfer.kv.layer_cache`)."""
+
+    k_q: jax.Array  # i8 | f8[num_pages, page_size, n_kv_heads, head_dim]
+    v_q: jax.Array  # same
+    k_scale: jax.Array  # bf16[num_pages, page_size, n_kv_heads]
+    v_scale: jax.Array  # bf16[num_pages, page_size, n_kv_heads]
+    format: str = struct.field(pytree_node=False)  # "int8" | "fp8_e4m3" | "fp8_e5m2"
+    dtype: str = struct.field(pytree_node=False)  # dtype `gather` returns
+
+    splits_over_mesh: ClassVar[bool] = True
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_q.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_q.shape[1]
+
+    def _quantize(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.format == "int8":
+            return F.quantize_int8(x)
+        return F.quantize_fp8(x, F.fp8_dtype(self.format))
+
+    def _dequantize(self, q: jax.Array, scale: jax.Array) -> jax.Array:
+        if self.format == "int8":
+            return F.dequantize_int8(q, scale, self.dtype)
+        return F.dequantize_fp8(q, scale, self.dtype)
+
+    def write(self, k: jax.Array, v: jax.Array, idx: WriteIndices) -> TokenQuantLayerKV:
+        """Quantize this step's k, v: [B, T, Hkv, Dh] and scatter codes and scales to `idx`."""
+        kq, ks = self._quantize(k)
+        vq, vs = self._quantize(v)
+        return self.replace(
+            k_q=scatter_tokens(self.k_q, kq, idx), v_q=scatter_tokens(self.v_q, vq, idx),
+            k_scale=scatter_tokens(self.k_scale, ks, idx), v_scale=scatter_tokens(self.v_scale, vs, idx),
+        )
+
+    def gather(self, block_tables: jax.Array, lengths: jax.Array | None = None,
+               slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Dequantized pages of each sequence in logical order: two [B, n * page_size, Hkv, Dh]."""
+        return (self._dequantize(gather_pages(self.k_q, block_tables), gather_pages(self.k_scale, block_tables)),
+                self._dequantize(gather_pages(self.v_q, block_tables), gather_pages(self.v_scale, block_tables)))
+
+    def bytes_per_token(self) -> float:
+        """Codes and scales of one token, K and V, all heads."""
+        return F.get_format(self.format).bytes_per_token(self.k_q.shape[2], self.k_q.shape[3], self.page_size)
