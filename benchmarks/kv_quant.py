@@ -1,7 +1,7 @@
 """KV-cache quantization on SmolLM2-135M: quality, bytes and capacity of every cache format.
 
 Text: `pydoc_data.topics` (offline English). A budgeted plan is calibrated on the first
-`--calib-tokens` tokens (`jaxinfer.kv.calibrate.calibrate_plan`); every format and the plan
+`--calib-tokens` tokens (`jaxinfer.calibration.calibrate_plan`); every format and the plan
 are then evaluated on `--windows` x 1024 later tokens (4096 by default, disjoint from the
 calibration text). Each window is prefilled in one step through the real quantized cache
 (`init_paged_kv(kv_cache=...)`), so KIVI formats quantize every full page; the reference is
@@ -43,7 +43,7 @@ def main() -> None:
     import numpy as np
 
     from jaxinfer.kv import formats as F
-    from jaxinfer.kv.calibrate import calibrate_plan, evaluate_kv_cache, reference_logits, text_tokens
+    from jaxinfer.calibration import calibrate_plan, evaluate_kv_cache, reference_logits, text_tokens
     from jaxinfer.loading import load_model
 
     t_start = time.perf_counter()

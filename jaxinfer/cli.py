@@ -220,7 +220,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate_kv(args: argparse.Namespace) -> None:
-    from jaxinfer.kv.calibrate import calibrate_plan
+    from jaxinfer.calibration import calibrate_plan
 
     from jaxinfer.kv.formats import get_format
 

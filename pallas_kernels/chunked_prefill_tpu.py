@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_tiles
+from pallas_kernels.formats import KernelPages
 from pallas_kernels.common import (MASK_VALUE, AttentionOptions, cdiv, check_prefill_shapes, check_sink_logits,
                                    finalize, prefill_rows)
 

@@ -138,3 +138,17 @@ def test_training_code_is_not_on_the_inference_import_path():
             todo.extend(graph.get(m, ()))
     assert "jaxinfer.speculative.train" not in seen
     assert not any("training" in m for m in seen), sorted(m for m in seen if "training" in m)
+
+
+@pytest.mark.parametrize("lower,upper", [
+    ("jaxinfer.kv", ("jaxinfer.model", "jaxinfer.attention", "jaxinfer.engine", "jaxinfer.calibration",
+                     "jaxinfer.speculative", "jaxinfer.sharding", "pallas_kernels")),
+    ("jaxinfer.attention", ("jaxinfer.model", "jaxinfer.engine", "jaxinfer.speculative", "jaxinfer.sharding")),
+    ("jaxinfer.model", ("jaxinfer.engine", "jaxinfer.speculative", "jaxinfer.server", "jaxinfer.sharding")),
+])
+def test_data_flows_down(lower, upper):
+    """Cache formats know nothing of attention or models; attention nothing of the model."""
+    graph = import_graph()
+    bad = sorted(f"{m} -> {t}" for m, ts in graph.items() if m == lower or m.startswith(lower + ".")
+                 for t in ts for u in upper if t == u or t.startswith(u + "."))
+    assert not bad, bad

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.kv import KVCachePlan
-from jaxinfer.kv import calibrate as C
+from jaxinfer import calibration as C
 from jaxinfer.kv.layer_cache import one_shot_round_trip
 from tiny_models import random_tokens, tiny_model
 
