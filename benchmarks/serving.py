@@ -39,19 +39,18 @@ def trace(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
 
 def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, int]:
     from jaxinfer.engine import Engine, EngineConfig
-    from jaxinfer.engine.step import engine_step
     from jaxinfer.sampling import SamplingParams
 
     engine = Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
                                         scheduling=scheduling, enable_prefix_caching=False))
     engine.warmup()
-    compiled = engine_step._cache_size()
+    compiled = engine.metrics().compiled_programs
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
     assert [len(o.token_ids) for o in outs] == list(outputs)
-    return sum(outputs) / dt, engine_step._cache_size() - compiled
+    return sum(outputs) / dt, engine.metrics().compiled_programs - compiled
 
 
 def hf_static_throughput(prompts, outputs) -> float:

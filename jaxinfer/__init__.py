@@ -6,10 +6,12 @@ from jaxinfer.kv import KVCacheSpec, PageAllocator, PagedKVState, init_paged_kv
 from jaxinfer.loading import Model, load_model
 from jaxinfer.model import ModelParams, forward
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.speculative import DraftModel, SpeculativeConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DraftModel",
     "Engine",
     "EngineConfig",
     "KVCacheSpec",
@@ -21,6 +23,7 @@ __all__ = [
     "PagedKVState",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "forward",
     "init_paged_kv",
     "load_model",

@@ -260,7 +260,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_train_draft(args: argparse.Namespace) -> None:
     import os
 
-    from jaxinfer.draft_training import DraftTrainingConfig, save_trained_draft, train_draft
+    from jaxinfer.speculative.checkpoint import save_trained_draft
+    from jaxinfer.speculative.train import DraftTrainingConfig, train_draft
 
     cfg = DraftTrainingConfig(n_layers=args.layers, vocab_subset=args.vocab_subset, num_prompts=args.prompts,
                               new_tokens=args.new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed)

@@ -143,7 +143,7 @@ def check_meshes() -> dict:
 
 def speculative_sources() -> dict:
     """n-gram, self-speculation over the first layer, a separate draft model (sharded like the target)."""
-    from jaxinfer.draft_model import DraftModel
+    from jaxinfer.speculative import DraftModel
     from jaxinfer.engine import SpeculativeConfig
     from tiny_models import tiny_model
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import draft_training as dt
+from jaxinfer.speculative import train as dt
 from jaxinfer.kv import KVCacheSpec
 from jaxinfer.loading import Model
 from jaxinfer.model import forward

@@ -8,16 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.draft_model import DraftModel
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.step import engine_step
 from jaxinfer.kv import KVCacheSpec, PageAllocator, init_paged_kv, partition_pages
 from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.loading import Model
 from jaxinfer.model import forward
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
+from jaxinfer.speculative import DraftModel
 from tiny_models import tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -158,14 +157,34 @@ def test_abort_mid_generation_frees_pages(model):
 def test_two_hundred_requests_compile_nothing_after_warmup(model):
     eng = engine(model, max_slots=8, max_prefill_rows=2, prefill_chunk=8)
     assert eng.warmup() == 2 * len(eng.context_buckets)  # decode-only and decode+prefill, per bucket
-    before = engine_step._cache_size()
+    before = eng.metrics().compiled_programs
     rng = np.random.default_rng(11)
     ps = prompts(200, seed=12, hi=60)
     sp = [SamplingParams(temperature=float(rng.choice([0, 0.7])), top_p=0.9, seed=i, max_tokens=int(rng.integers(1, 12)))
           for i in range(200)]
     outs = eng.generate(ps, sp)
     assert all(o.finished for o in outs)
-    assert engine_step._cache_size() == before
+    assert eng.metrics().compiled_programs == before
+
+
+def test_each_engine_counts_only_its_own_programs(model):
+    """Two engines of different shapes in one process: each reports its own programs (two
+    per context bucket), unchanged by the other's traffic and by steady-state steps."""
+    small = engine(model, max_slots=2, max_model_len=32)
+    large = engine(model, max_slots=4, max_model_len=64)
+    assert len(small.context_buckets) != len(large.context_buckets)
+    for eng in (small, large):
+        eng.warmup()
+    counts = [eng.metrics().compiled_programs for eng in (small, large)]
+    assert counts == [2 * len(small.context_buckets), 2 * len(large.context_buckets)]
+    sp = SamplingParams(temperature=0.7, seed=1, max_tokens=8)
+    for eng in (small, large, small):
+        eng.generate(prompts(6, seed=5, hi=20), sp)
+    assert [eng.metrics().compiled_programs for eng in (small, large)] == counts
+    twin = engine(model, max_slots=2, max_model_len=32)  # same shapes: finds small's executables
+    assert twin.metrics().compiled_programs == 0
+    twin.warmup()
+    assert twin.metrics().compiled_programs == counts[0]
 
 
 # ---- property test: random traffic never breaks page ownership ---------------------------------

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from jaxinfer.checkpoint import save_orbax
-from jaxinfer.draft_model import DraftModel
+from jaxinfer.speculative import DraftModel
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import SamplingParams

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import jaxinfer.speculative
-from jaxinfer.draft_model import DraftModel
-from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
-from jaxinfer.engine.speculation import propose_ngram
+import jaxinfer.speculative.verify
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.speculative import DraftModel, SpeculativeConfig, propose_ngram
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.loading import Model
 from jaxinfer.model import forward
@@ -138,6 +137,27 @@ def test_bad_speculative_configs_are_rejected(model):
         EngineConfig(speculative=SpeculativeConfig("ngram"), streaming=(4, 16))
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_vocab_subset_draft_scores_the_full_heads_logits_at_its_ids(model, tied):
+    c, p = model.config, model.params
+    if tied:  # the head is the embedding (SmolLM2)
+        p = dataclasses.replace(p, lm_head=None)
+    ids = np.asarray([3, 96, 0, 41, 7], np.int32)
+    draft = DraftModel.with_vocab_subset(c, p, ids)
+    assert draft.params.lm_head.shape == (len(ids), c.d_model) and draft.params.embed.shape == p.embed.shape
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, c.vocab_size, (2, 6)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    spec = KVCacheSpec(num_pages=5, page_size=8, max_slots=2, max_pages_per_seq=1)
+
+    def logits(params):
+        kv = init_paged_kv(c, spec).replace(block_tables=jnp.asarray([[1], [2]], jnp.int32))
+        return np.asarray(forward(params, c, tokens, positions, kv)[0])
+
+    np.testing.assert_allclose(logits(draft.params), logits(p)[..., ids], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="full-vocabulary head"):
+        DraftModel.with_vocab_subset(c, draft.params, ids)
+
+
 def test_ngram_proposals_follow_the_latest_match():
     t = np.asarray([1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2], np.int32)
     assert propose_ngram(t, 3).tolist() == [5, 6, 1]  # "1 2" last seen at 5, followed by 5 6 1
@@ -224,7 +244,7 @@ def test_the_chi_square_check_rejects_a_wrong_residual(small_vocab, monkeypatch)
     """Power: sampling the correction from p instead of normalize(max(p - q, 0)) is caught."""
     model, draft = small_vocab
     expected, _ = exact_first_three(model, SETTINGS["temperature-1"])
-    monkeypatch.setattr(jaxinfer.speculative, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(jaxinfer.speculative.verify, "residual_distribution", lambda p, q: p)
     jax.clear_caches()  # retrace the step with the planted bug
     try:
         cells = first_three(model, SETTINGS["temperature-1"], SpeculativeConfig("draft", 3, draft=draft))
@@ -240,7 +260,7 @@ def test_the_chi_square_check_rejects_a_wrong_residual(small_vocab, monkeypatch)
 @pytest.mark.slow
 def test_greedy_speculation_on_smollm2_equals_plain_decoding_for_every_draft_source(smollm2_gguf):
     """Token for token, for each draft source, on two prompts decoded together."""
-    from jaxinfer.draft_training import DEFAULT_DRAFT_PATH
+    from jaxinfer.speculative import DEFAULT_DRAFT_PATH
     from jaxinfer.loading import load_model
 
     target = load_model(smollm2_gguf, progress=False)

@@ -95,7 +95,7 @@ def test_exact_distribution_of_emitted_tokens_equals_the_target(k, seed, sharp):
 def test_a_wrong_residual_is_caught_by_the_enumeration():
     """Planted bug: correcting from p instead of the residual biases the output."""
     p_of, q_of = random_conditionals(0, 3), random_conditionals(100, 2)
-    import jaxinfer.speculative as spec
+    import jaxinfer.speculative.verify as spec
 
     original = spec.residual_distribution
     try:

@@ -2,6 +2,6 @@
 
 from jaxinfer.engine.engine import Engine, EngineConfig, EngineMetrics
 from jaxinfer.engine.request import RequestMetrics, RequestOutput
-from jaxinfer.engine.speculation import SpeculativeConfig
+from jaxinfer.speculative.config import SpeculativeConfig
 
 __all__ = ["Engine", "EngineConfig", "EngineMetrics", "RequestMetrics", "RequestOutput", "SpeculativeConfig"]

@@ -26,18 +26,20 @@ import numpy as np
 from jaxinfer import sharding
 from jaxinfer.engine.request import Request, RequestMetrics, RequestOutput
 from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
-from jaxinfer.engine.speculation import SpeculativeConfig, SpeculativeStats, propose_ngram
-from jaxinfer.engine.speculative_step import DraftBatch, speculative_step
-from jaxinfer.engine.step import PrefillBatch, StepBatch, engine_step
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.kv.paged_state import NULL_PAGE
 from jaxinfer.kv.quantized import KiviLayerKV
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.config import ModelConfig
-from jaxinfer.draft_model import DraftModel, check_draft_compatible, self_draft
 from jaxinfer.loading import Model
+from jaxinfer.programs import own_dispatch_cache
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
+from jaxinfer.speculative.checkpoint import load_trained_draft
+from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
+from jaxinfer.speculative.drafts import DraftModel, check_draft_compatible, propose_ngram, self_draft
+from jaxinfer.speculative.step import DraftBatch, jit_speculative_step
+from jaxinfer.step import PrefillBatch, StepBatch, jit_engine_step
 
 
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
@@ -137,15 +139,21 @@ class Engine:
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
         self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
                                 kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh))
-        self._step, self._spec_step = engine_step, speculative_step
+        # This engine's own jit wrappers (`jaxinfer.programs`): `compiled_programs` counts its
+        # programs only, while executables stay shared with other engines of the same shapes.
+        with own_dispatch_cache():
+            self._step, self._spec_step = jit_engine_step(), jit_speculative_step()
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
-            self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
-                                                                                 config.max_slots, engine_step)
+            with own_dispatch_cache():
+                self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
+                                                                                     config.max_slots, self._step)
         self._init_speculation(config.speculative)  # after sharding: a self-draft shares the sharded params
         if config.mesh is not None and config.speculative is not None:
-            self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
-                config.mesh, self.model.params, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
+            with own_dispatch_cache():
+                self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
+                    config.mesh, self.model.params, self.kv, self.draft, self.draft_kv, self._draft_vocab,
+                    self._spec_step)
             self._place_drafts = lambda drafts: sharding.place_slots(drafts, config.mesh)
         k = config.speculative.num_speculative if config.speculative else 0
         self.scheduler = Scheduler(
@@ -193,8 +201,6 @@ class Engine:
             return
         draft = sc.draft
         if not isinstance(draft, DraftModel):
-            from jaxinfer.draft_training import load_trained_draft
-
             draft = load_trained_draft(self.model, draft)
         check_draft_compatible(draft, mc)
         self.draft = draft
@@ -366,6 +372,7 @@ class Engine:
             stats.record(num_draft, num_accepted, emitted)
 
     def _compiled_programs(self) -> int:
+        """Programs this engine has dispatched (its own jit wrappers' caches), not the process's."""
         return self._step._cache_size() + (self._spec_step._cache_size() if self.spec_stats else 0)
 
     def warmup(self) -> int:

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import time
 
-from jaxinfer.engine.speculation import SpeculativeStats
+from jaxinfer.speculative.config import SpeculativeStats
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 

@@ -12,7 +12,7 @@ import threading
 import math
 
 from jaxinfer.engine import EngineMetrics
-from jaxinfer.engine.speculation import SpeculativeStats
+from jaxinfer.speculative.config import SpeculativeStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

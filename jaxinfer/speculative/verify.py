@@ -17,10 +17,21 @@ one-hot `q`; both are ordinary cases of the same rule.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.sampling import SamplingArrays, filter_logits
+
+
+class Proposal(NamedTuple):
+    """What every draft source hands the verifier (see `jaxinfer.speculative.drafts`)."""
+
+    tokens: jax.Array  # i32[B, k]: proposed tokens; row b's entries past its num_draft are padding
+    # f32[B, k, V]: the distribution each token was drawn from, or None for deterministic
+    # drafts (n-gram): q is then one-hot at `tokens`, built only if some row samples
+    q: jax.Array | None
 
 
 def acceptance_probs(p: jax.Array, q: jax.Array, draft: jax.Array) -> jax.Array:
@@ -96,8 +107,7 @@ def sampling_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def verify_step(
     target_logits: jax.Array,  # f32[B, k + 1, V]: target logits after t0, d_1 .. d_k
-    draft: jax.Array,  # i32[B, k]: proposed tokens
-    draft_probs: jax.Array | None,  # f32[B, k, V]: their draft distributions; None = one-hot (n-gram)
+    proposal: Proposal,  # the drafts d_1 .. d_k and their q
     num_draft: jax.Array,  # i32[B]: drafts to consider per row (the rest are padding)
     s: SamplingArrays,  # [B]
     keys: jax.Array,  # key[B]: each row's verification randomness (independent of its drafts')
@@ -109,6 +119,7 @@ def verify_step(
     p. When every row is greedy, only the argmax of each position is needed and the
     V-sized distributions are never built.
     """
+    draft = proposal.tokens
     b, k = draft.shape
     v = target_logits.shape[-1]
     usable = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[B, k]
@@ -119,7 +130,7 @@ def verify_step(
         return n.astype(jnp.int32), best
 
     def sampled(_):
-        q = jax.nn.one_hot(draft, v, dtype=jnp.float32) if draft_probs is None else draft_probs
+        q = jax.nn.one_hot(draft, v, dtype=jnp.float32) if proposal.q is None else proposal.q
         q = jnp.where(usable[..., None], q, 0.0)
         n, tokens = verify_draft(keys, draft, q, sampling_probs(target_logits, s))
         n_greedy, best = greedy(None)

@@ -1,0 +1,97 @@
+"""What an engine speculates with (`SpeculativeConfig`) and what came of it (`SpeculativeStats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.speculative.checkpoint import DEFAULT_DRAFT_PATH
+from jaxinfer.speculative.drafts.model import DraftModel
+
+METHODS = ("ngram", "self", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """How an engine drafts: `EngineConfig(speculative=SpeculativeConfig("ngram", 4))`.
+
+    - "ngram": prompt lookup. The last `ngram_max .. ngram_min` tokens are searched for
+      in the request's own tokens and what followed their latest occurrence is proposed
+      (deterministic: q is one-hot). Free to compute; strong on text that repeats its input.
+      A step where no slot found a match runs the plain one-token program instead.
+    - "self": the target's first `self_layers` layers + final norm + LM head (no new weights).
+    - "draft": a `DraftModel` sharing the target's tokenizer, or a path to a checkpoint
+      written by `jaxinfer train-draft` (e.g. the shipped `checkpoints/smollm2_draft`).
+
+    `num_speculative` (k) is fixed per engine: every step verifies up to k drafts per slot.
+
+    A request's first generated token never comes from speculation: it is sampled from
+    the logits at the prompt's last token, which the prefill step computes; drafting (and
+    verifying) starts from the second token, once the request decodes.
+    """
+
+    method: str
+    num_speculative: int = 4
+    self_layers: int = 4
+    draft: DraftModel | str | Path | None = dataclasses.field(default=None, repr=False)
+    ngram_max: int = 3
+    ngram_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"SpeculativeConfig.method={self.method!r} must be one of {METHODS}")
+        if not isinstance(self.num_speculative, int) or not 1 <= self.num_speculative <= 16:
+            raise ValueError(f"SpeculativeConfig.num_speculative={self.num_speculative!r} must be an integer in [1, 16]")
+        if not isinstance(self.ngram_min, int) or not isinstance(self.ngram_max, int) or not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+        if self.method == "draft" and self.draft is None:
+            raise ValueError("SpeculativeConfig(method='draft') needs draft=DraftModel(...) or a checkpoint path")
+
+    @classmethod
+    def parse(cls, text: str, num_speculative: int = 4) -> SpeculativeConfig:
+        """CLI form: 'ngram', 'self:N' or 'draft:PATH' ('draft' alone: the shipped draft)."""
+        method, _, arg = text.partition(":")
+        if method == "self":
+            return cls("self", num_speculative, self_layers=int(arg) if arg else 4)
+        if method == "draft":
+            return cls("draft", num_speculative, draft=arg or str(DEFAULT_DRAFT_PATH))
+        if method == "ngram" and not arg:
+            return cls("ngram", num_speculative)
+        raise ValueError(f"--speculative {text!r}: expected 'ngram', 'self:N' or 'draft[:PATH]'")
+
+
+@dataclasses.dataclass
+class SpeculativeStats:
+    """Counts behind acceptance per draft position and tokens per target forward."""
+
+    drafted: np.ndarray  # i64[k]: drafts verified at position i
+    accepted: np.ndarray  # i64[k]: of those, accepted
+    target_calls: int = 0  # decoding rows run through the target
+    emitted: int = 0  # tokens those rows emitted
+
+    @classmethod
+    def zeros(cls, k: int) -> SpeculativeStats:
+        return cls(np.zeros(k, np.int64), np.zeros(k, np.int64))
+
+    def record(self, num_draft: int, num_accepted: int, emitted: int) -> None:
+        self.drafted[:num_draft] += 1
+        self.accepted[:num_accepted] += 1
+        self.target_calls += 1
+        self.emitted += emitted
+
+    @property
+    def acceptance_per_position(self) -> tuple[float, ...]:
+        """P(draft i accepted | it was verified), per position i (NaN where never drafted)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return tuple(float(a / d) if d else float("nan") for a, d in zip(self.accepted, self.drafted))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return float(self.accepted.sum() / max(self.drafted.sum(), 1))
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Mean tokens emitted per target forward of a decoding row (1.0 without drafts)."""
+        return self.emitted / max(self.target_calls, 1)

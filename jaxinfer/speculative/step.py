@@ -1,0 +1,121 @@
+"""The jitted speculative step: draft k tokens, verify them in one target pass.
+
+Each decoding slot feeds `[t0, d_1 .. d_k]` (its pending token and the drafts) through the
+target as one row of a `[max_slots, k + 1]` group, so the target scores all k + 1
+positions in a single forward; `verify_step` then keeps a per-slot number of drafts.
+Shapes stay fixed: a slot verifies `num_draft[b] <= k` drafts and the rest is padding.
+
+Rejected drafts need no undo on the device. Their K/V were written past the accepted
+tokens, and the host advances the slot's length only over what was kept, so the next
+step overwrites them and attention never reads them (lengths mask everything after).
+The same holds for the draft model's own cache, which shares the target's block tables:
+one page id holds the target's K/V in the target pool and the draft's in the draft pool.
+
+The draft source is chosen statically by `draft_config` / `shared_layers` and hands the
+verifier a `Proposal` (`jaxinfer.speculative.drafts` describes the interface):
+- host drafts (n-gram prompt lookup): tokens arrive in `DraftBatch.tokens`, q is one-hot;
+- a draft model (`drafts.propose.propose_with_model`): k autoregressive draft forwards
+  inside this step, over its own pages (a separate draft) or the target's first layers'
+  pages (self-speculation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv.paged_state import PagedKVState
+from jaxinfer.model import ModelParams, TokenGroup, forward_groups
+from jaxinfer.sampling import TokenLogprobs, row_keys, token_logprobs
+from jaxinfer.speculative.drafts.propose import propose_with_model
+from jaxinfer.speculative.verify import Proposal, verify_step
+from jaxinfer.step import StepBatch, prefill_groups, prefill_logprobs, sample_prefill
+
+
+@struct.dataclass
+class DraftBatch:
+    tokens: jax.Array  # i32[max_slots, k]: host-proposed drafts (n-gram); unused with a draft model
+    num_draft: jax.Array  # i32[max_slots]: drafts to verify per decoding slot (0 = plain decode)
+
+
+@struct.dataclass
+class SpeculativeOutput:
+    tokens: jax.Array  # i32[max_slots, k + 1]: slot b emits tokens[b, : num_accepted[b] + 1]
+    num_accepted: jax.Array  # i32[max_slots]: drafts kept per slot
+    prefill_tokens: jax.Array | None  # i32[P]: next token after each prefill row's chunk
+    # of tokens[b, j] under the target's raw p_j: logprob f32[max_slots, k + 1],
+    # top_ids i32 / top_logprobs f32[max_slots, k + 1, MAX_LOGPROBS]
+    logprobs: TokenLogprobs
+    prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
+
+
+JIT_OPTIONS = dict(static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
+                   donate_argnames=("kv", "draft_kv"))
+
+
+@functools.partial(jax.jit, **JIT_OPTIONS)
+def speculative_step(
+    params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch, drafts: DraftBatch,
+    draft_params: ModelParams | None = None,  # None: host drafts (n-gram)
+    draft_vocab: jax.Array | None = None,  # i32[Vd]: token id of each draft logit (None = full vocab)
+    draft_kv: PagedKVState | None = None,  # the draft's own pages (a separate draft model only)
+    draft_config: ModelConfig | None = None,
+    shared_layers: int = 0,  # > 0: self-speculation over the target's first layers
+    attention_impl: str = "reference",
+    mesh: jax.sharding.Mesh | None = None,  # the mesh both models and caches are sharded on
+) -> tuple[PagedKVState, PagedKVState | None, SpeculativeOutput]:
+    """Propose, run the target over every slot's block and the prefill rows, verify; donates
+    both caches. Block tables and lengths are host-owned, as in `engine_step`.
+
+    Every position j of a block gets the logprob of `tokens[b, j]` under the target's raw
+    distribution there (log_softmax of its logits, before temperature/top-k/top-p, as in
+    `engine_step`), so accepted drafts and the correction/bonus token each get their own."""
+    host_owned = (kv.block_tables, kv.lengths)
+    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[B]
+    k = drafts.tokens.shape[1]
+    # One key per row from (seed, position), split into two independent streams. (Deriving
+    # the draft's keys with fold_in(key, 1) would reuse split(key)[1], the key of the
+    # correction, and bias the output: the sampled end-to-end test catches exactly that.)
+    verify_keys, draft_keys = jnp.moveaxis(
+        jax.vmap(jax.random.split)(row_keys(batch.sampling.seed, batch.lengths + 1)), 1, 0)
+
+    if draft_config is None:
+        proposal = Proposal(drafts.tokens, None)
+    elif shared_layers:
+        dkv = dataclasses.replace(kv, layers=kv.layers[:shared_layers])
+        proposal, dkv = propose_with_model(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
+                                           draft_keys, separate=False, attention_impl=attention_impl, mesh=mesh)
+        kv = dataclasses.replace(kv, layers=dkv.layers + kv.layers[shared_layers:])
+    else:
+        draft_owned = (draft_kv.block_tables, draft_kv.lengths)
+        dkv = dataclasses.replace(draft_kv, block_tables=batch.block_tables, lengths=batch.lengths)
+        proposal, dkv = propose_with_model(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
+                                           draft_keys, separate=True, attention_impl=attention_impl, mesh=mesh)
+        draft_kv = dataclasses.replace(dkv, block_tables=draft_owned[0], lengths=draft_owned[1])
+
+    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
+    block = TokenGroup(
+        tokens=jnp.concatenate([batch.decode_tokens[:, None], proposal.tokens], axis=1),  # i32[B, k + 1]
+        positions=batch.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32), slots=slots,
+        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), by_replica=True,
+    )
+    logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
+    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, batch.sampling, verify_keys)
+    prefill_next = sample_prefill(logits, batch, kv.lengths)
+    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
+    return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
+                                           logprobs=token_logprobs(logits[0], tokens),
+                                           prefill_logprobs=prefill_logprobs(logits, prefill_next))
+
+
+def jit_speculative_step() -> Callable:
+    """`speculative_step` jitted anew: the same function, so the same traces and executables,
+    but a wrapper of its own (an engine's, made under `programs.own_dispatch_cache`)."""
+    return jax.jit(speculative_step.__wrapped__, **JIT_OPTIONS)

@@ -1,0 +1,118 @@
+"""The plain device step: a decode group over every slot plus an optional prefill group.
+
+It sits below both `jaxinfer.speculative` (whose verifying step reuses its batch and
+prefill helpers) and `jaxinfer.engine` (which drives it).
+
+Two kinds of program exist, whatever the traffic: decode-only, and decode + prefill (one
+`[max_prefill_rows, prefill_chunk]` group), each compiled once per *context bucket*: the
+block tables are cut to the smallest of a few widths (powers of two pages) that holds every
+running sequence, so attention over short contexts does not gather `max_model_len` keys.
+Every other array in a `StepBatch` has a shape fixed at engine construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv.paged_state import PagedKVState
+from jaxinfer.model import ModelParams, TokenGroup, forward_groups
+from jaxinfer.sampling import SamplingArrays, TokenLogprobs, sample_tokens, token_logprobs
+
+
+@struct.dataclass
+class PrefillBatch:
+    tokens: jax.Array  # i32[P, C]: a chunk of pending tokens per row, right-padded
+    slots: jax.Array  # i32[P]: the slot each row continues
+    num_new: jax.Array  # i32[P]: valid tokens per row (0 = unused row)
+
+
+@struct.dataclass
+class StepBatch:
+    block_tables: jax.Array  # i32[max_slots, width]: host-owned page map, cut to a context bucket
+    lengths: jax.Array  # i32[max_slots]: tokens cached per slot before this step
+    decode_tokens: jax.Array  # i32[max_slots]: the one pending token of each decoding slot
+    decode_active: jax.Array  # bool[max_slots]
+    sampling: SamplingArrays  # [max_slots]: per-slot sampling parameters
+    prefill: PrefillBatch | None = None
+
+
+@struct.dataclass
+class StepOutput:
+    decode_tokens: jax.Array  # i32[max_slots]: next token per slot (meaningful where active)
+    prefill_tokens: jax.Array | None  # i32[P]: next token after each row's chunk
+    # of decode_tokens under the raw distribution: logprob f32[max_slots], top_* [max_slots, MAX_LOGPROBS]
+    decode_logprobs: TokenLogprobs
+    prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
+
+
+JIT_OPTIONS = dict(static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))
+
+
+@functools.partial(jax.jit, **JIT_OPTIONS)
+def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch,
+                attention_impl: str = "reference", mesh: jax.sharding.Mesh | None = None
+                ) -> tuple[PagedKVState, StepOutput]:
+    """Run every scheduled token through the model and sample; donates `kv`.
+
+    Block tables and lengths come from the host in `batch`; the returned state keeps the
+    block tables and lengths it came in with, so its shapes never depend on the bucket.
+
+    The sampled token of a row is keyed by (seed, its future cache position), so a request
+    draws the same tokens whether it decodes, prefills in chunks or is recomputed after
+    preemption. Each sampled token comes with its logprob and the top `MAX_LOGPROBS`
+    alternatives under the model's raw distribution (`sampling.token_logprobs`). On a mesh
+    (`jaxinfer.sharding.shard_engine`), `mesh` is the one params and cache are sharded on.
+    """
+    host_owned = (kv.block_tables, kv.lengths)  # returned untouched: the host tracks both
+    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
+    decode = TokenGroup(
+        tokens=batch.decode_tokens[:, None], positions=batch.lengths[:, None], slots=slots,
+        num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots), by_replica=True,
+    )
+    logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl, mesh)
+    decode_next = sample_tokens(logits[0], batch.sampling, kv.lengths)
+    prefill_next = sample_prefill(logits, batch, kv.lengths)
+    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
+    return kv, StepOutput(decode_tokens=decode_next, prefill_tokens=prefill_next,
+                          decode_logprobs=token_logprobs(logits[0], decode_next),
+                          prefill_logprobs=prefill_logprobs(logits, prefill_next))
+
+
+def jit_engine_step() -> Callable:
+    """`engine_step` jitted anew: the same function, so the same traces and executables, but
+    a wrapper of its own (an engine's, made under `programs.own_dispatch_cache`)."""
+    return jax.jit(engine_step.__wrapped__, **JIT_OPTIONS)
+
+
+def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:
+    """The batch's prefill rows as a token group (logits at each row's last token), or ().
+    The engine lays them out by data replica (`Scheduler.schedule`)."""
+    if batch.prefill is None:
+        return ()
+    p = batch.prefill
+    chunk = p.tokens.shape[1]
+    return (TokenGroup(
+        tokens=p.tokens, positions=batch.lengths[p.slots][:, None] + jnp.arange(chunk, dtype=jnp.int32),
+        slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0), by_replica=True,
+    ),)
+
+
+def sample_prefill(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array) -> jax.Array | None:
+    """The token after each prefill row's chunk (`logits[1]`), keyed like a decode token."""
+    if batch.prefill is None:
+        return None
+    rows = jax.tree.map(lambda a: a[batch.prefill.slots], batch.sampling)
+    return sample_tokens(logits[1], rows, new_lengths[batch.prefill.slots])
+
+
+def prefill_logprobs(logits: tuple[jax.Array, ...], prefill_next: jax.Array | None) -> TokenLogprobs | None:
+    """Logprobs of each prefill row's next token (`logits[1]`: f32[P, V]), or None."""
+    return None if prefill_next is None else token_logprobs(logits[1], prefill_next)
