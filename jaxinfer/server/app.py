@@ -293,6 +293,8 @@ def _json(data) -> str:
 
 
 class ErrorResponse(JSONResponse):
+    """An OpenAI error object, ASCII-escaped (`_json`)."""
+
     def render(self, content) -> bytes:
         return _json(content).encode("ascii")
 
