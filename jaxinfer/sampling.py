@@ -19,11 +19,22 @@ from flax import struct
 
 NEG_INF = -jnp.inf
 MAX_LOGPROBS = 5  # top alternatives every step computes (static: one compiled shape)
+INT32_MAX = 2**31 - 1  # top_k and max_tokens are packed into int32 arrays / compared with int32 positions
+# Positive temperatures below this sample greedily (vLLM's convention): logits / T would
+# overflow float32 to inf (and softmax to NaN) long before T reaches float32's smallest normal.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform to float32 precision
+# Each generated token is checked against every stop string / id on the engine thread, so a
+# request with thousands of them would slow every other request: they are capped.
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. `temperature=0` means greedy (argmax)."""
+    """How to pick each next token. `temperature=0` means greedy (argmax); so does a positive
+    temperature below `MIN_TEMPERATURE` (it is stored as 0). Out-of-range values raise
+    ValueError naming the field; `top_k` at or above the vocabulary keeps every token."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
@@ -38,22 +49,30 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-               and self.temperature >= 0, f"temperature={self.temperature!r} must be a finite number >= 0")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
-        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+        """Range-check every field, so a request that passes can always be packed into a
+        step's arrays (`SamplingArrays`): f32 temperature/top_p/min_p, i32 top_k, u32 seed."""
+        _check(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+               f"temperature={self.temperature!r} must be a finite number in [0, {MAX_TEMPERATURE:g}]")
+        _check(_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX,
+               f"top_k={self.top_k!r} must be an integer in [0, 2**31 - 1] (0 disables it; above the "
+               "vocabulary it keeps every token)")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32),
                f"seed={self.seed!r} must be None or an integer in [0, 2**32)")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
+               f"max_tokens={self.max_tokens!r} must be an integer in [1, 2**31 - 1]")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        _check(all(isinstance(s, str) and s for s in stop), f"stop={self.stop!r} must be non-empty strings")
+        _check(all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP_STRINGS,
+               f"stop={self.stop!r} must be at most {MAX_STOP_STRINGS} non-empty strings")
         ids = tuple(self.stop_token_ids)
-        _check(all(isinstance(i, int) and i >= 0 for i in ids), f"stop_token_ids={self.stop_token_ids!r} must be integers >= 0")
+        _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids) and len(ids) <= MAX_STOP_TOKEN_IDS,
+               f"stop_token_ids={self.stop_token_ids!r} must be at most {MAX_STOP_TOKEN_IDS} integers in [0, 2**31 - 1]")
         _check(isinstance(self.speculative, bool), f"speculative={self.speculative!r} must be a bool")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
 
@@ -65,6 +84,15 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    """A finite int or float (NaN and inf fail every range check's intent, not its comparisons)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @struct.dataclass
@@ -116,7 +144,10 @@ def _top_k_top_p_min_p(x: jax.Array, s: SamplingArrays) -> jax.Array:
 
     probs = jax.nn.softmax(desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = (mass_before < s.top_p[:, None]) | (jnp.arange(vocab) == 0)  # top-1 always kept
+    # A row with top_p = 1 keeps every token: in float32 its cumulative mass reaches 1.0
+    # before the tail does, so `mass_before < 1` alone would cut the tail, and only when
+    # another row made the batch take this sorted path.
+    kept = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1) | (jnp.arange(vocab) == 0)  # top-1 always kept
     pth = jnp.min(jnp.where(kept, desc, jnp.inf), axis=-1, keepdims=True)
 
     min_p_th = desc[:, :1] + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]

@@ -313,12 +313,15 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
+        _check_unicode(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for each text (tokenized in parallel by the Rust backend)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TypeError("texts must be a sequence of str")
+        for t in texts:
+            _check_unicode(t)
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -375,6 +378,16 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed to render: {e}") from e
+
+
+def _check_unicode(text: str) -> None:
+    """Raise ValueError if `text` holds a lone surrogate (a Python str may, e.g. decoded from
+    the JSON escape "\\ud800"): it is not Unicode text, and the Rust backend would refuse it
+    with a TypeError that does not say why."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate {text[e.start]!r} at index {e.start}") from None
 
 
 class StreamDecoder:

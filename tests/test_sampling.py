@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.sampling import SamplingArrays, SamplingParams, filter_logits, sample_tokens
+from jaxinfer.sampling import (INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, SamplingArrays,
+                               SamplingParams, filter_logits, sample_tokens)
 
 
 def arrays(n=1, **kw) -> SamplingArrays:
@@ -30,6 +31,18 @@ def arrays(n=1, **kw) -> SamplingArrays:
         ({"seed": -3}, "seed"),
         ({"stop": ("",)}, "stop"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        # values that once passed and then overflowed the step's fixed-width arrays
+        ({"top_k": 2**31}, "top_k"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"stop_token_ids": (2**31,)}, "stop_token_ids"),
+        ({"seed": 2**32}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 101.0}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"top_k": True}, "top_k"),
+        ({"stop": ("x",) * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop_token_ids": (1,) * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
     ],
 )
 def test_invalid_parameters_name_the_field(kwargs, field):
@@ -39,6 +52,39 @@ def test_invalid_parameters_name_the_field(kwargs, field):
 
 def test_single_stop_string_is_accepted():
     assert SamplingParams(stop="###").stop == ("###",)
+
+
+def test_temperatures_below_the_minimum_sample_greedily():
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 10).greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+ANY_NUMBER = st.one_of(
+    st.integers(-(2**70), 2**70), st.sampled_from([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, -1]),
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([float("nan"), float("inf"), 1e-45, 1e300]),
+)
+
+
+NUMERIC_FIELDS = ["temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop_token_ids", "logprobs"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(NUMERIC_FIELDS), value=ANY_NUMBER)
+def test_params_that_validate_pack_into_the_step_arrays_exactly(field, value):
+    """Any number in any field: either SamplingParams rejects it with ValueError, or the
+    step's fixed-width arrays hold it (no overflow, no inf/NaN, no float32 underflow to 0)."""
+    try:
+        p = SamplingParams(**{field: (value,) if field == "stop_token_ids" else value})
+    except ValueError:
+        return
+    with np.errstate(over="raise", under="ignore"):
+        s = SamplingArrays.from_params([p], [p.seed or 0])
+    assert int(s.top_k[0]) == p.top_k and int(s.seed[0]) == (p.seed or 0)
+    assert p.max_tokens <= INT32_MAX and all(0 <= i <= INT32_MAX for i in p.stop_token_ids)
+    for name in ("temperature", "top_p", "min_p"):
+        assert np.isfinite(getattr(s, name)[0])
+    assert (s.temperature[0] > 0) == (p.temperature > 0)  # a sampled row never turns greedy on the device
+    assert p.greedy or np.isfinite(np.float32(100.0) / s.temperature[0])  # logits / T stays finite
 
 
 def allowed_set(logits: np.ndarray, top_k: int, top_p: float, min_p: float, temperature: float) -> set[int]:
@@ -134,3 +180,39 @@ def test_same_seed_and_position_repeat_exactly_and_rows_are_independent():
     seq7 = sample_tokens(many, SamplingArrays.from_params([SamplingParams()] * 20, [7] * 20), jnp.arange(20))
     seq8 = sample_tokens(many, SamplingArrays.from_params([SamplingParams()] * 20, [8] * 20), jnp.arange(20))
     assert not np.array_equal(np.asarray(seq7), np.asarray(seq8))
+
+
+ROW_PARAMS = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                       top_k=st.sampled_from([0, 1, 3, 40, 1000]), top_p=st.sampled_from([1.0, 0.2, 0.9, 0.999]),
+                       min_p=st.sampled_from([0.0, 0.05]))
+
+
+_filter, _sample = jax.jit(filter_logits), jax.jit(sample_tokens)  # one compiled shape: [4, 64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(ROW_PARAMS, min_size=4, max_size=4), seed=st.integers(0, 10_000),
+       scale=st.sampled_from([1.0, 8.0, 30.0]))
+def test_each_row_filters_and_samples_as_if_alone(rows, seed, scale):
+    """`sampling.py` promises a row's tokens depend only on its own logits, params, seed and
+    position. Steep logits (scale 30) leave a tail whose float32 cumulative mass reaches 1
+    early: a top_p = 1 row must keep that tail whatever its neighbours filter. "Alone" is
+    the row repeated over the whole batch (so no neighbour filters unless it does)."""
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.standard_normal((4, 64)) * scale, jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 100, 4), jnp.int32)
+    s = SamplingArrays.from_params(rows, list(range(4)))
+    together, drawn = np.asarray(_filter(logits, s)), np.asarray(_sample(logits, s, positions))
+    for i, p in enumerate(rows):
+        alone = SamplingArrays.from_params([p] * 4, [i] * 4)
+        same = jnp.broadcast_to(logits[i], (4, 64)), jnp.broadcast_to(positions[i], (4,))
+        np.testing.assert_array_equal(together[i], np.asarray(_filter(same[0], alone))[0])
+        assert drawn[i] == int(_sample(*same[:1], alone, same[1])[0])
+
+
+def test_an_unfiltered_row_keeps_its_tail_next_to_a_top_p_row():
+    """The concrete case: one dominant token and 30 tokens of mass ~1e-8 each."""
+    row = jnp.asarray([[10.0, 0.0] + [-8.0] * 30], jnp.float32)
+    s = SamplingArrays.from_params([SamplingParams(), SamplingParams(top_p=0.5)], [0, 0])
+    both = np.asarray(filter_logits(jnp.concatenate([row, row]), s))
+    assert np.isfinite(both[0]).all() and np.isfinite(both[1]).sum() == 1

@@ -8,7 +8,9 @@
 
 Each `step()` asks the `Scheduler` what to run, packs it into a fixed-shape `StepBatch`
 (numpy on the host), runs the jitted `engine_step`, and hands the sampled tokens back to
-the requests. Bad input raises at `add_request` and never disturbs running requests.
+the requests. Bad input raises at `add_request` and never disturbs running requests; a
+step that fails anyway finishes only the request(s) that caused it, with finish_reason
+"error" (see `step`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -41,6 +44,8 @@ from jaxinfer.speculative.drafts import DraftModel, check_draft_compatible, prop
 from jaxinfer.speculative.step import DraftBatch, jit_speculative_step
 from jaxinfer.step import PrefillBatch, StepBatch, jit_engine_step
 
+
+logger = logging.getLogger(__name__)
 
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
 
@@ -281,7 +286,50 @@ class Engine:
     # ---- iteration --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the jitted step, return progress per request."""
+        """One iteration: schedule, run the jitted step, return progress per request.
+
+        A request that makes the step fail is finished with finish_reason "error" (its
+        output's `error` says why; the failure is logged with its id) and its pages return
+        to the pool; the others keep their pages and progress and go on next step. The
+        culprits are the requests whose own row cannot be packed (`_row_error`); when none
+        can be blamed, every running request fails, so a failure never repeats forever."""
+        try:
+            return self._unguarded_step()
+        except Exception as e:  # contained: reported to the requests it fails
+            return [self._fail(req, err) for req, err in self._culprits(e)]
+
+    def _culprits(self, error: Exception) -> list[tuple[Request, Exception]]:
+        """After a step raised `error`: the requests to fail, each with the error to report."""
+        s = self.scheduler
+        suspects = s.running + list(s.waiting)
+        blamed = [(r, err) for r in suspects if (err := self._row_error(r)) is not None]
+        if blamed:
+            return blamed
+        everyone = s.running or list(s.waiting)[:1]  # the head of the queue, if admitting it failed
+        return [(r, error) for r in everyone]
+
+    def _row_error(self, req: Request) -> Exception | None:
+        """Why `req`'s row cannot go into a step on its own, or None: its params are checked
+        again (they may have been altered after `SamplingParams` checked them) and packed
+        into a one-row `SamplingArrays`."""
+        try:
+            params = dataclasses.replace(req.params)  # re-runs SamplingParams.__post_init__
+            SamplingArrays.from_params([params], [req.seed])
+        except Exception as e:  # any failure blames this row
+            return e
+        return None
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """Finish `req` with finish_reason "error" (pages freed) and log why."""
+        logger.error("request %s failed inside an engine step and was stopped: %s: %s", req.request_id,
+                     type(error).__name__, error, exc_info=error)
+        req.finish_reason = "error"
+        req.metrics.finished_time = time.perf_counter()
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        return req.error_output(f"{type(error).__name__}: {error}")
+
+    def _unguarded_step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
@@ -301,21 +349,24 @@ class Engine:
         host_logprobs = jax.device_get(logprobs) if wanted else None
         outputs = []
         for i, (req, tokens, (source, row)) in enumerate(emitted):
-            for count, token in enumerate(tokens, 1):
-                lp = None
-                if req.params.logprobs is not None:
-                    lp = _logprob_at(host_logprobs[source], row, count - 1, req.params.logprobs)
-                req.append_token(token, now, lp)
+            try:  # one request's failure here (its text, its stop strings) must not lose the others' tokens
+                for count, token in enumerate(tokens, 1):
+                    lp = None
+                    if req.params.logprobs is not None:
+                        lp = _logprob_at(host_logprobs[source], row, count - 1, req.params.logprobs)
+                    req.append_token(token, now, lp)
+                    if req.finish_reason is not None:
+                        break
+                if self.spec_stats and i < len(plan.decode):
+                    self._record_speculation(req, 0 if drafts is None else int(drafts.num_draft[req.slot]), kept[i], count)
                 if req.finish_reason is not None:
-                    break
-            if self.spec_stats and i < len(plan.decode):
-                self._record_speculation(req, 0 if drafts is None else int(drafts.num_draft[req.slot]), kept[i], count)
-            if req.finish_reason is not None:
-                req.metrics.finished_time = now
-                self.finished_metrics.append(req.metrics)
-                self.scheduler.remove(req)
-                del self.requests[req.request_id]
-            outputs.append(req.take_output())
+                    req.metrics.finished_time = now
+                    self.finished_metrics.append(req.metrics)
+                    self.scheduler.remove(req)
+                    del self.requests[req.request_id]
+                outputs.append(req.take_output())
+            except Exception as e:  # contained: reported to this request
+                outputs.append(self._fail(req, e))
         return outputs
 
     def _run(self, batch: StepBatch, drafts: DraftBatch | None
@@ -479,6 +530,8 @@ class Engine:
             while True:
                 for out in self.step():
                     if out.request_id == rid:
+                        if out.error is not None:
+                            raise RuntimeError(f"request {rid} failed: {out.error}")
                         if out.delta_text:
                             yield out.delta_text
                         if out.finished:

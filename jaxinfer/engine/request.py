@@ -52,12 +52,13 @@ class RequestOutput:
     delta_token_ids: list[int]
     delta_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     metrics: RequestMetrics
     # With SamplingParams.logprobs set (else None), one entry per token of `token_ids`: its
     # logprob, and its most likely alternatives as (token id, logprob), most likely first.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # with finish_reason "error": why the engine stopped the request
 
 
 class Request:
@@ -150,4 +151,14 @@ class Request:
             finish_reason=self.finish_reason, metrics=self.metrics,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+        )
+
+    def error_output(self, message: str) -> RequestOutput:
+        """The last output of a request the engine stopped for `message`: what it had
+        emitted, nothing new (computing a delta could be what failed)."""
+        emitted = self.generated[: self._emitted_tokens]
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=list(emitted),
+            text=self.text[: self._emitted_text], delta_token_ids=[], delta_text="", finished=True,
+            finish_reason="error", metrics=self.metrics, error=message,
         )

@@ -1,19 +1,30 @@
 """The OpenAI-compatible HTTP app: `/v1/models`, `/v1/completions`, `/v1/chat/completions`,
 `/health`, `/metrics`. Handlers validate and tokenize on the event loop, hand the request
-to the `EngineLoop` thread, and stream its `RequestOutput`s back (server-sent events)."""
+to the `EngineLoop` thread, and stream its `RequestOutput`s back (server-sent events).
+
+Every error reaches the client in the OpenAI shape `{"error": {message, type, param, code}}`:
+input the server cannot serve is a 400 naming the field; a failure of the server itself is a
+500 (`server_error`) whose message carries the request id it is logged under (also sent as
+the `x-request-id` header). Once a stream has started, an error arrives as an SSE event
+holding that object, followed by `data: [DONE]`. A client that disconnects, streaming or not,
+has its request aborted (its pages return to the pool), with or without an API key.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, tokens_of
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
@@ -21,6 +32,9 @@ from jaxinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       usage)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+DONE = "data: [DONE]\n\n"
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServer:
@@ -47,18 +61,24 @@ class OpenAIServer:
                 raise ErrorBody(400, f"prompt: a list of {len(prompt)} prompts is not supported; send one", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self._tokenizer("prompt").encode(prompt)
+            ids = self._tokenize("prompt", lambda tok: tok.encode(prompt))
         else:
             ids = list(prompt)
         return self._check_length(ids, "prompt")
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self._tokenizer("messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = self._tokenize("messages", lambda tok: tok.encode(tok.apply_chat_template(messages), add_special_tokens=False))
+        return self._check_length(ids, "messages")
+
+    def _tokenize(self, param: str, encode: Callable) -> list[int]:
+        """`encode(tokenizer)`. What the tokenizer or chat template refuses (text that is not
+        valid Unicode, a template's raise_exception) is the input's fault: a 400 naming `param`."""
+        tok = self._tokenizer(param)
         try:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        except ValueError as e:
-            raise ErrorBody(400, f"messages: {e}", param="messages") from e
-        return self._check_length(tok.encode(text, add_special_tokens=False), "messages")
+            return encode(tok)
+        except (ValueError, TypeError) as e:
+            raise ErrorBody(400, f"{param}: {e}", param=param) from e
 
     def _tokenizer(self, param: str):
         if self.tokenizer is None:
@@ -80,6 +100,9 @@ class OpenAIServer:
             self._tokenizer("logprobs")  # token strings need it
         if getattr(body, "echo", False):
             raise ErrorBody(400, "echo is not supported by this server", param="echo")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(body, name):
+                raise ErrorBody(400, f"{name} is not supported by this server (only 0)", param=name)
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         try:
@@ -97,17 +120,20 @@ class OpenAIServer:
             self.loop.stats.reject("queue_full")
             raise ErrorBody(429, f"server busy: {e}; retry later", code="queue_full", err_type="rate_limit_error",
                             headers={"Retry-After": "1"}) from e
-        kind, payload = await sink.get()
-        if kind == "error":
-            message = str(payload)
+        event = await sink.get()
+        if event[0] == "invalid":
+            message = str(event[1])
             param = ("max_tokens" if message.startswith("prompt of") else
                      "prompt" if message.startswith("prompt") else _field_of(message))
             raise ErrorBody(400, message, param=param)
+        if event[0] == "failed":
+            raise engine_failure(event[2])
         return sink, rids
 
     async def events(self, raw: Request, sink: Sink, rids: list[str]) -> AsyncIterator[tuple]:
-        """Yield ("output", index, RequestOutput) until every choice has finished. Aborts the
-        remaining choices if the client goes away (or the consumer stops early)."""
+        """Yield ("output", index, RequestOutput) until every choice has finished; raise
+        ErrorBody if the engine fails a choice or the server stops it. Aborts the remaining
+        choices if the client goes away (or the consumer stops early, or a choice failed)."""
         left = len(rids)
         try:
             while left:
@@ -117,18 +143,29 @@ class OpenAIServer:
                     if await raw.is_disconnected():
                         return
                     continue
-                if event[0] == "error":
-                    raise ErrorBody(500, f"engine error: {event[1]}", err_type="server_error")
-                if event[0] == "aborted":
-                    left -= 1
-                    yield ("aborted", event[1], None)
-                    continue
+                if event[0] == "failed":
+                    raise engine_failure(event[2])
+                if event[0] == "aborted":  # only the server aborts a request whose client is listening
+                    raise ErrorBody(503, "the server is shutting down and stopped this request; retry",
+                                    code="server_shutdown", err_type="server_error")
                 if event[2].finished:
                     left -= 1
                 yield event
         finally:
             if left:
                 self.loop.abort(rids)
+
+
+def engine_failure(message: str) -> ErrorBody:
+    """A request the engine accepted and then could not run (it logged why, with the request id)."""
+    return ErrorBody(500, f"the engine stopped this request: {message}", code="engine_error", err_type="server_error")
+
+
+def internal_error(error: Exception, request_id: str) -> ErrorBody:
+    """An exception no handler expected: logged with the request id the client is told."""
+    logger.error("request %s failed: %s: %s", request_id, type(error).__name__, error, exc_info=error)
+    return ErrorBody(500, f"internal server error (request id {request_id}; the server logged it)",
+                     code="internal_error", err_type="server_error")
 
 
 def _field_of(message: str) -> str | None:
@@ -164,8 +201,6 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
         async def stream():
             generated, offsets = 0, [0] * len(rids)
             async for _, index, out in server.events(raw, sink, rids):
-                if out is None:
-                    continue
                 generated += len(out.delta_token_ids)
                 if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
                     lp, offsets[index] = logprobs(out, offsets[index])
@@ -173,8 +208,8 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
                                        "finish_reason": out.finish_reason if out.finished else None}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(stream(), media_type="text/event-stream")
+            yield DONE
+        return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
     finals = await _collect(server, raw, sink, rids)
     choices = [{"index": i, "text": o.text, "logprobs": logprobs(o, new_only=False)[0], "finish_reason": o.finish_reason}
@@ -207,8 +242,6 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                                    "finish_reason": None}]))
             generated = 0
             async for _, index, out in server.events(raw, sink, rids):
-                if out is None:
-                    continue
                 generated += len(out.delta_token_ids)
                 if out.delta_text or (body.logprobs and out.delta_token_ids):
                     yield _sse(chunk([{"index": index, "delta": {"content": out.delta_text}, "logprobs": logprobs(out),
@@ -218,8 +251,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                                        "finish_reason": out.finish_reason}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(stream(), media_type="text/event-stream")
+            yield DONE
+        return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
     finals = await _collect(server, raw, sink, rids)
     choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs(o, new_only=False),
@@ -232,13 +265,38 @@ async def _collect(server: OpenAIServer, raw: Request, sink: Sink, rids: list[st
     """The final output of every choice, in index order (empty if the client left)."""
     finals = {}
     async for _, index, out in server.events(raw, sink, rids):
-        if out is not None and out.finished:
+        if out.finished:
             finals[index] = out
     return sorted(finals.items())
 
 
 def _sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _guarded(events: AsyncIterator[str], raw: Request) -> AsyncIterator[str]:
+    """The SSE lines of a stream; an error after the response started (status 200 is sent)
+    becomes an SSE event holding the OpenAI error object, then `[DONE]`, not a cut connection."""
+    try:
+        async for line in events:
+            yield line
+    except Exception as e:
+        error = e if isinstance(e, ErrorBody) else internal_error(e, raw.state.request_id)
+        yield f"data: {_json(error.body())}\n\n"
+        yield DONE
+
+
+def _json(data) -> str:
+    """JSON with non-ASCII escaped: input echoed in an error may hold a lone surrogate, which
+    UTF-8 cannot encode but a \\u escape can."""
+    return json.dumps(data, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+class ErrorResponse(JSONResponse):
+    """An OpenAI error object, ASCII-escaped (`_json`)."""
+
+    def render(self, content) -> bytes:
+        return _json(content).encode("ascii")
 
 
 # ---- the app ------------------------------------------------------------------------------------
@@ -253,7 +311,9 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     _add_error_handlers(app)
-    _add_auth(app, server.api_key)
+    if server.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=server.api_key)
+    app.add_middleware(RequestIds)  # added last: outermost, so it also sees what the others do
 
     @app.get("/health")
     async def health():
@@ -282,14 +342,18 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           err_type: str = "invalid_request_error", headers=None) -> JSONResponse:
-    return JSONResponse(ErrorBody(status, message, param, code, err_type).body(), status_code=status, headers=headers)
+           err_type: str = "invalid_request_error", headers=None) -> ErrorResponse:
+    return _response(ErrorBody(status, message, param, code, err_type, headers))
+
+
+def _response(e: ErrorBody) -> ErrorResponse:
+    return ErrorResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ErrorBody)
     async def on_error(_, e: ErrorBody):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return _response(e)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_, e: RequestValidationError):
@@ -305,13 +369,54 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(e.status_code, str(e.detail), err_type="invalid_request_error" if e.status_code < 500 else "server_error")
 
 
-def _add_auth(app: FastAPI, api_key: str | None) -> None:
-    if not api_key:
-        return
+# ---- middleware (pure ASGI: `@app.middleware("http")` would wrap `receive`, and handlers
+# would never see their client disconnect, so requests of clients that left would run on) ----
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
-            return _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                          code="invalid_api_key", err_type="authentication_error")
-        return await call_next(request)
+
+class ApiKeyAuth:
+    """`/v1/*` needs `Authorization: Bearer <api_key>`; anything else answers 401."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+            response = _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                              code="invalid_api_key", err_type="authentication_error")
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self.expected)  # constant time: no key guessing by timing
+
+
+class RequestIds:
+    """Gives each HTTP request an id (`request.state.request_id`, the `x-request-id` header)
+    and answers an exception no handler took with a logged OpenAI-shaped 500 naming that id,
+    instead of uvicorn's plain-text 500 and a closed connection."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = new_id("req")
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as e:
+            error = internal_error(e, request_id)
+            if not started:  # else the response is under way: nothing can be said any more
+                await _response(error)(scope, receive, send_with_id)

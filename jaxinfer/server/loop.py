@@ -2,9 +2,14 @@
 
     handler (event loop)                     engine thread
     submit(prompts, params, sink) --cmd-->   add_request x n (all or none)
-                         <-- sink.put --     ("accepted", ids) | ("error", ValueError)
+                         <-- sink.put --     ("accepted", ids) | ("invalid", ValueError) | ("failed", None, message)
                          <-- sink.put --     ("output", index, RequestOutput) after each step
+                         <-- sink.put --     ("failed", index, message): the engine stopped choice `index`
+                         <-- sink.put --     ("aborted", index): the server stopped it (shutdown)
     abort(ids)           --cmd-->            engine.abort (pages return to the pool)
+
+Whatever goes wrong on the engine thread is reported to the requests it concerns (and
+logged); the thread itself never dies, so no handler waits forever.
 
 Only the engine thread touches the `Engine`; handlers read `snapshot` (the engine metrics
 after the latest step). The number of outstanding requests is bounded: `submit` raises
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -25,6 +31,7 @@ from jaxinfer.engine import Engine, EngineMetrics, RequestOutput
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.server.metrics import ServerMetrics
 
+logger = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """More requests are outstanding than the server admits; retry later."""
@@ -116,12 +123,15 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished_requests())
-            if self._stopping.is_set():
-                break
-            if self.engine.has_unfinished_requests():
-                self._step()
-            self.snapshot = self.engine.metrics()
+            try:
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.snapshot = self.engine.metrics()
+            except Exception as e:  # a bug outside the engine's own containment: fail, never hang
+                self._fail_all(e)
         for rid in list(self._live):
             self._abort(rid)
 
@@ -149,12 +159,17 @@ class EngineLoop:
             for rid, params in zip(cmd.ids, cmd.params):
                 self.engine.add_request(cmd.prompt, params, request_id=rid, cache_salt=cmd.cache_salt)
                 added.append(rid)
-        except ValueError as e:
+        except Exception as e:
             for rid in added:
                 self.engine.abort(rid)
             self._release(len(cmd.ids))
-            self.stats.reject("invalid")
-            cmd.sink.put(("error", e))
+            if isinstance(e, ValueError):  # the engine's verdict on the input
+                self.stats.reject("invalid")
+                cmd.sink.put(("invalid", e))
+            else:
+                logger.error("request %s: adding it to the engine failed", cmd.ids[0], exc_info=e)
+                self.stats.reject("error")
+                cmd.sink.put(("failed", None, f"{type(e).__name__}: {e}"))
             return
         for i, rid in enumerate(cmd.ids):
             self._live[rid] = _Live(cmd.sink, i)
@@ -169,32 +184,42 @@ class EngineLoop:
         if rid in self.engine.requests:
             self.engine.abort(rid)
         self._release(1)
-        with self.stats.lock:
-            self.stats.finished["abort"] = self.stats.finished.get("abort", 0) + 1
+        self._count_finished("abort")
         live.sink.put(("aborted", live.index))
 
     def _release(self, n: int) -> None:
         with self._lock:
             self._outstanding -= n
 
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every live request with `error` (their clients see it), freeing their pages."""
+        logger.error("engine loop failed; failing requests %s", sorted(self._live), exc_info=error)
+        for rid in list(self._live):
+            live = self._live.pop(rid)
+            if rid in self.engine.requests:
+                self.engine.abort(rid)
+            self._release(1)
+            self._count_finished("error")
+            live.sink.put(("failed", live.index, f"{type(error).__name__}: {error}"))
+
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # a bug in a step: fail every request rather than hang them
-            for rid in list(self._live):
-                live = self._live[rid]
-                self._abort(rid)
-                live.sink.put(("error", e))
-            return
+        outputs = self.engine.step()  # contains per-request failures itself (finish_reason "error")
         now = time.perf_counter()
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is not None:
                 self._record(live, out, now)
-                live.sink.put(("output", live.index, out))
+                if out.error is not None:
+                    live.sink.put(("failed", live.index, out.error))
+                else:
+                    live.sink.put(("output", live.index, out))
                 if out.finished:
                     del self._live[out.request_id]
                     self._release(1)
+
+    def _count_finished(self, reason: str) -> None:
+        with self.stats.lock:
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
     def _record(self, live: _Live, out: RequestOutput, now: float) -> None:
         m, s = out.metrics, self.stats

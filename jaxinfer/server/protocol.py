@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API subset we serve, and the OpenAI error shape.
 
 Unknown fields are ignored (clients send many optional ones); known fields are typed so a
-wrongly typed value is a 400 naming the field. Range checks live in `SamplingParams`.
+wrongly typed value is a 400 naming the field. Range checks live in `SamplingParams`; the
+fields it never sees as they were sent (seed, top_k's -1, the penalties) are checked here.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # extra; -1 also means off (vLLM's convention)
+    top_k: int = Field(0, ge=-1)  # extra; -1 also means off (vLLM's convention)
     min_p: float = 0.0  # extra
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # an int64 or uint64; its low 32 bits seed the choice
+    # Not implemented: only their neutral value 0 is accepted (ignoring others would change outputs silently).
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra
     ignore_eos: bool = False  # extra
@@ -86,21 +90,30 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content: text parts are used, others (images, ...) ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str = ""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part.text for part in self.content if part.type == "text")
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs=true
 
