@@ -138,3 +138,16 @@ def test_every_variant_goes_through_the_dispatch(variant):
     np.testing.assert_array_equal(run("auto"), run("reference"))
     with pytest.raises(ValueError, match="must be one of"):
         run("triton")
+
+
+def test_engine_refuses_a_kernel_impl_for_variants_without_kernels_up_front():
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.loading import Model
+    from jaxinfer.model import init_random_params
+
+    mla = _mla_config()
+    with pytest.raises(ValueError, match="no Pallas kernel implements MLA latent attention"):
+        Engine(Model(mla, init_random_params(mla, seed=0), None), EngineConfig(max_slots=2, attention_impl="pallas"))
+    config, params = tiny_model()
+    with pytest.raises(ValueError, match="no Pallas kernel implements StreamingLLM ring attention"):
+        Engine(Model(config, params, None), EngineConfig(max_slots=2, streaming=(2, 6), attention_impl="pallas"))

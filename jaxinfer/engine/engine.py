@@ -27,14 +27,15 @@ import jax
 import numpy as np
 
 from jaxinfer import sharding
+from jaxinfer.attention.dispatch import require_reference
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine.request import Request, RequestMetrics, RequestOutput
 from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
-from jaxinfer.kv.paged_state import NULL_PAGE
-from jaxinfer.kv.quantized import KiviLayerKV
-from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.kv.kivi import KiviLayerKV
+from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import cache_identity
-from jaxinfer.config import ModelConfig
+from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.loading import Model
 from jaxinfer.programs import own_dispatch_cache
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
@@ -127,6 +128,10 @@ class Engine:
         self.config = config
         mc = model.config
         stream = None if config.streaming is None else StreamingSpec(*config.streaming)
+        if mc.mla is not None:  # variants with no kernel: say so now, not at the first step's trace
+            require_reference(config.attention_impl, "MLA latent attention")
+        if stream is not None:
+            require_reference(config.attention_impl, "StreamingLLM ring attention")
         max_len = config.max_model_len or (STREAMING_MAX_LEN if stream else min(mc.max_position, 2048))
         if max_len > mc.max_position and stream is None:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context {mc.max_position}")

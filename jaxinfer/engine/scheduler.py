@@ -29,7 +29,7 @@ from collections import deque
 
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator, partition_pages
-from jaxinfer.kv.paged_state import NULL_PAGE
+from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import block_hashes
 
 
