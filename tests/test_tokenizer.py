@@ -429,7 +429,7 @@ def test_gguf_pre_tokenizer_by_pre_type(pre: str, pieces: list[str]):
 def test_gguf_split_regexes_match_transformers():
     """Our regex table agrees with transformers' GGUF converter wherever both know a pre type."""
     mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
-    from jaxinfer import tokenizer as jt
+    from jaxinfer import gguf_tokenizer as jt
 
     theirs = mapping.GGUF_PRE_TOKENIZER_SPLITS
     shared = set(jt._SPLIT_PRE) & set(theirs)
