@@ -1,6 +1,7 @@
 """The serving engine: slot-based continuous batching over one jitted step."""
 
-from jaxinfer.engine.engine import Engine, EngineConfig, EngineMetrics
+from jaxinfer.engine.config import EngineConfig, EngineMetrics
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import RequestMetrics, RequestOutput
 from jaxinfer.speculative.config import SpeculativeConfig
 

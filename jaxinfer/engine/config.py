@@ -1,0 +1,81 @@
+"""What an engine is built with (`EngineConfig`) and what it reports (`EngineMetrics`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.attention.dispatch import IMPLS
+from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes fixed for the engine's lifetime (they set every compiled shape)."""
+
+    max_slots: int = 8  # sequences resident at once
+    page_size: int = 16
+    max_model_len: int | None = None  # default: min(model context, 2048)
+    num_pages: int | None = None  # default: enough for every slot at max_model_len
+    prefill_chunk: int = 64  # tokens per prefill row per step
+    max_prefill_rows: int = 1  # prefill rows per step (on a mesh: rounded up to a multiple of `data`)
+    max_tokens_per_step: int | None = None  # token budget; default: everything that fits
+    enable_prefix_caching: bool = True
+    scheduling: str = "continuous"  # or "static": admit a new batch only when all are done
+    seed: int = 0  # draws seeds for requests that bring none
+    # (S, W): a bounded StreamingLLM cache per sequence, S sinks + the W most recent tokens;
+    # sequences may then run past max_model_len and the model's context (no prefix caching).
+    streaming: tuple[int, int] | None = None
+    # A jax.sharding.Mesh with axes ("data", "model") (`jaxinfer.sharding.make_mesh`): params
+    # and pages split over heads on `model`, slots over `data`. None = one device.
+    mesh: object | None = None
+    # Paged attention: "reference" (pure jnp), "pallas" (the kernels; interpret mode on CPU),
+    # "pallas_gpu" / "pallas_tpu" (one target's kernels) or "auto" (kernels on GPU/TPU where
+    # they apply). See `jaxinfer.attention.dispatch`.
+    attention_impl: str = "reference"
+    # KV-cache storage: "auto" (model dtype), a format name for every layer ("int8",
+    # "fp8_e4m3", "int4", ...), a `jaxinfer.kv.plan.KVCachePlan` or a plan JSON path
+    # (`jaxinfer calibrate-kv`). Invalid names or plans raise ValueError.
+    kv_cache: object = "auto"
+    # Speculative decoding (`SpeculativeConfig`: n-gram, self-speculation or a draft model);
+    # None = one token per decoding slot per step.
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")
+        for name in ("max_model_len", "num_pages", "max_tokens_per_step"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r} must be one of {IMPLS}")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"EngineConfig.scheduling={self.scheduling!r} must be 'continuous' or 'static'")
+        if self.streaming is not None:
+            if not isinstance(self.streaming, tuple) or len(self.streaming) != 2:
+                raise ValueError(f"EngineConfig.streaming={self.streaming!r} must be None or a pair (sinks, window)")
+            StreamingSpec(*self.streaming)  # validates both
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+            if self.streaming is not None:
+                raise ValueError("speculative decoding is not supported with streaming caches")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics:
+    running: int
+    waiting: int
+    pages_used: int
+    pages_free: int
+    pages_cached: int
+    prefix_hit_rate: float  # cached full prompt pages / full prompt pages looked up
+    prefix_hits: int
+    prefix_queries: int
+    preemptions: int
+    steps: int
+    compiled_programs: int
+    speculative: SpeculativeStats | None = None  # acceptance per position, tokens per target forward
