@@ -28,14 +28,6 @@ class TokenQuantLayerKV:
 
     splits_over_mesh: ClassVar[bool] = True
 
-    @property
-    def num_pages(self) -> int:
-        return self.k_q.shape[0]
-
-    @property
-    def page_size(self) -> int:
-        return self.k_q.shape[1]
-
     def _quantize(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         if self.format == "int8":
             return F.quantize_int8(x)
@@ -63,4 +55,5 @@ class TokenQuantLayerKV:
 
     def bytes_per_token(self) -> float:
         """Codes and scales of one token, K and V, all heads."""
-        return F.get_format(self.format).bytes_per_token(self.k_q.shape[2], self.k_q.shape[3], self.page_size)
+        _, page_size, heads, head_dim = self.k_q.shape
+        return F.get_format(self.format).bytes_per_token(heads, head_dim, page_size)
