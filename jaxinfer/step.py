@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +83,6 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     return kv, StepOutput(decode_tokens=decode_next, prefill_tokens=prefill_next,
                           decode_logprobs=token_logprobs(logits[0], decode_next),
                           prefill_logprobs=prefill_logprobs(logits, prefill_next))
-
-
-def jit_engine_step() -> Callable:
-    """`engine_step` jitted anew: the same function, so the same traces and executables, but
-    a wrapper of its own (an engine's, made under `programs.own_dispatch_cache`)."""
-    return jax.jit(engine_step.__wrapped__, **JIT_OPTIONS)
 
 
 def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:

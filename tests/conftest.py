@@ -31,6 +31,9 @@ def _drop_compiled_programs_after_each_module():
     """The suite runs in one process on a 24 GiB machine: XLA executables of the real model
     (and its speculative steps) would otherwise pile up across modules."""
     yield
+    import gc
+
     import jax
 
+    gc.collect()  # engines caught in reference cycles let go of their buffers now
     jax.clear_caches()

@@ -38,13 +38,13 @@ from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.loading import Model
-from jaxinfer.programs import own_dispatch_cache
+from jaxinfer.programs import CompileCounter
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.speculative.checkpoint import load_trained_draft
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
 from jaxinfer.speculative.drafts import DraftModel, check_draft_compatible, propose_ngram, self_draft
-from jaxinfer.speculative.step import DraftBatch, jit_speculative_step
-from jaxinfer.step import PrefillBatch, StepBatch, jit_engine_step
+from jaxinfer.speculative.step import DraftBatch, speculative_step
+from jaxinfer.step import PrefillBatch, StepBatch, engine_step
 
 
 logger = logging.getLogger(__name__)
@@ -79,21 +79,16 @@ class Engine:
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
         self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
                                 kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh))
-        # This engine's own jit wrappers (`jaxinfer.programs`): `compiled_programs` counts its
-        # programs only, while executables stay shared with other engines of the same shapes.
-        with own_dispatch_cache():
-            self._step, self._spec_step = jit_engine_step(), jit_speculative_step()
+        self._step, self._spec_step = engine_step, speculative_step
+        self._compiles = CompileCounter()  # `compiled_programs`: this engine's programs only
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
-            with own_dispatch_cache():
-                self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
-                                                                                     config.max_slots, self._step)
+            self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
+                                                                                 config.max_slots, engine_step)
         self._init_speculation(config.speculative)  # after sharding: a self-draft shares the sharded params
         if config.mesh is not None and config.speculative is not None:
-            with own_dispatch_cache():
-                self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
-                    config.mesh, self.model.params, self.kv, self.draft, self.draft_kv, self._draft_vocab,
-                    self._spec_step)
+            self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
+                config.mesh, self.model.params, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
             self._place_drafts = lambda drafts: sharding.place_slots(drafts, config.mesh)
         k = config.speculative.num_speculative if config.speculative else 0
         self.scheduler = Scheduler(
@@ -312,14 +307,14 @@ class Engine:
         m = self.model
         if drafts is None:
             # positional: jit refuses keywords next to in_shardings (`sharding.shard_engine`)
-            self.kv, out = self._step(m.params, m.config, self.kv, self._place(batch), self.config.attention_impl,
-                                      self.config.mesh)
+            self.kv, out = self._compiles.call(self._step, m.params, m.config, self.kv, self._place(batch),
+                                               self.config.attention_impl, self.config.mesh)
             tokens, accepted = np.asarray(out.decode_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
             logprobs = out.decode_logprobs
         else:
             d = self.draft
-            self.kv, self.draft_kv, out = self._spec_step(
-                m.params, m.config, self.kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
+            self.kv, self.draft_kv, out = self._compiles.call(
+                self._spec_step, m.params, m.config, self.kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
                 self._draft_vocab, self.draft_kv, None if d is None else d.config,
                 0 if d is None else d.shares_target_layers, self.config.attention_impl, self.config.mesh)
             tokens, accepted, logprobs = np.asarray(out.tokens), np.asarray(out.num_accepted), out.logprobs
@@ -356,10 +351,6 @@ class Engine:
             req.metrics.speculative = SpeculativeStats.zeros(self.config.speculative.num_speculative)
         for stats in (req.metrics.speculative, self.spec_stats):
             stats.record(num_draft, num_accepted, emitted)
-
-    def _compiled_programs(self) -> int:
-        """Programs this engine has dispatched (its own jit wrappers' caches), not the process's."""
-        return self._step._cache_size() + (self._spec_step._cache_size() if self.spec_stats else 0)
 
     def warmup(self) -> int:
         """Compile every program traffic can need (decode-only and decode + prefill, at each
@@ -482,7 +473,7 @@ class Engine:
             pages_free=s.num_free, pages_cached=s.num_cached,
             prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
-            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._compiled_programs(),
+            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._compiles.programs,
             speculative=copy.deepcopy(self.spec_stats),
         )
 

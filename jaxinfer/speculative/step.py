@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -114,8 +113,3 @@ def speculative_step(
                                            logprobs=token_logprobs(logits[0], tokens),
                                            prefill_logprobs=prefill_logprobs(logits, prefill_next))
 
-
-def jit_speculative_step() -> Callable:
-    """`speculative_step` jitted anew: the same function, so the same traces and executables,
-    but a wrapper of its own (an engine's, made under `programs.own_dispatch_cache`)."""
-    return jax.jit(speculative_step.__wrapped__, **JIT_OPTIONS)
