@@ -37,6 +37,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="weight and activation dtype (float32 is fastest on CPU; bfloat16 on GPU/TPU)")
 
 
+def _add_compilation_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-compilation-cache", action="store_true",
+                   help="do not keep compiled programs in $JAXINFER_CACHE/xla (the next start compiles them again)")
+
+
 def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="SOURCE",
                    help="speculative decoding: 'ngram' (prompt lookup), 'self:N' (the model's first N layers) or "
@@ -92,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_flag(gen)
     gen.add_argument("--stats", action="store_true", help="print the engine metrics at the end")
     _add_speculative_flags(gen)
+    _add_compilation_cache_flag(gen)
     _add_mesh_flags(gen)
 
     conv = sub.add_parser("convert", help="save any loadable model as an orbax checkpoint directory")
@@ -138,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=64)
     srv.add_argument("--no-prefix-caching", action="store_true")
     _add_speculative_flags(srv)
+    _add_compilation_cache_flag(srv)
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     return parser
 
@@ -175,7 +182,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model = _load(args.model, args.dtype, mesh)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
     engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position),
-                                        mesh=mesh, attention_impl=args.attention_impl, speculative=speculative))
+                                        mesh=mesh, attention_impl=args.attention_impl, speculative=speculative,
+                                        compilation_cache=not args.no_compilation_cache))
     start = time.perf_counter()
     if len(prompts) == 1:
         for piece in engine.stream(prompts[0], params, chat=chat):
@@ -250,9 +258,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=min(args.max_model_len, model.config.max_position),
-                          attention_impl=args.attention_impl, speculative=speculative)
+                          attention_impl=args.attention_impl, speculative=speculative,
+                          compilation_cache=not args.no_compilation_cache)
     name = args.served_model_name or args.model or "default"
-    print("compiling ...", file=sys.stderr, flush=True)
+    print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue)
     serve(server, args.host, args.port, grace_s=args.grace_period)
 

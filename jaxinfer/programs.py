@@ -1,31 +1,166 @@
-"""Which compiled programs are an engine's own, so `EngineMetrics.compiled_programs` never
-counts another engine's.
+"""An engine's compiled programs: counting them, compiling them ahead of need, keeping them
+across processes.
 
-A jitted function's dispatch cache is shared by every caller in the process (which is what
-lets a second engine of the same shapes reuse the first one's executables). `CompileCounter`
-attributes to its owner the cache entries that appear during the owner's own calls: the
-programs compiled for it. Steady state is when this stops growing; a second engine with the
-same shapes and placements counts 0. Engines are driven from one thread each; two engines
-stepping at the same instant on two threads could see each other's new entries.
+- `CompileCounter` attributes XLA compiles to the engine whose call (or background compile)
+  made them, through jax's monitoring events: a jitted function's executables are shared by
+  every caller in the process, so a second engine of the same shapes and placements compiles,
+  and counts, nothing. Programs loaded from the persistent cache are counted apart.
+- `BackgroundCompiler` compiles a list of programs on one thread while the engine serves with
+  those already compiled (`Engine.start_warmup`).
+- `use_persistent_cache` points jax's compilation cache at `$JAXINFER_CACHE/xla`, so a second
+  start of the same model and config loads its programs from disk instead of compiling them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import logging
+import os
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax import monitoring
+
+logger = logging.getLogger(__name__)
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # every executable jax obtains
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # ... of which these came from the persistent cache
+_attributed = threading.local()  # .counter: the CompileCounter collecting this thread's compiles
 
 
 class CompileCounter:
-    """Counts the programs jitted functions compile during calls made through `call`."""
+    """Counts the executables jax obtains on a thread while it runs inside `attribute()`."""
 
     def __init__(self) -> None:
-        self.programs = 0
+        self.obtained = 0  # compiled by XLA or loaded from the persistent cache
+        self.from_cache = 0  # loaded from the persistent cache
+
+    @property
+    def compiled(self) -> int:
+        """Executables XLA compiled for this counter's owner."""
+        return self.obtained - self.from_cache
+
+    def attribute(self) -> _Attribution:
+        """`with counter.attribute(): ...`: compiles on this thread meanwhile count here."""
+        return _Attribution(self)
 
     def call(self, fn: Callable, *args: Any) -> Any:
-        """`fn(*args)`; when `fn` is a `jax.jit` function, the signatures it compiled are counted here."""
-        cache_size = getattr(fn, "_cache_size", None)
-        if cache_size is None:  # not a jitted function (a user's or a test's wrapper): nothing to count
+        """`fn(*args)`, its compiles counted here."""
+        with self.attribute():
             return fn(*args)
-        before = cache_size()
-        out = fn(*args)
-        self.programs += max(cache_size() - before, 0)  # shrinks only if jax.clear_caches() ran
-        return out
+
+
+class _Attribution:
+    def __init__(self, counter: CompileCounter) -> None:
+        self.counter = counter
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_attributed, "counter", None)
+        _attributed.counter = self.counter
+
+    def __exit__(self, *exc) -> None:
+        _attributed.counter = self.previous
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    counter = getattr(_attributed, "counter", None)
+    if counter is not None and event == _BACKEND_COMPILE:
+        counter.obtained += 1
+
+
+def _on_event(event: str, **kwargs) -> None:
+    counter = getattr(_attributed, "counter", None)
+    if counter is not None and event == _CACHE_HIT:
+        counter.from_cache += 1
+
+
+monitoring.register_event_duration_secs_listener(_on_duration)
+monitoring.register_event_listener(_on_event)
+
+
+class BackgroundCompiler:
+    """Compiles programs (`compile_one(key)`) in order on one daemon thread.
+
+    The engine asks `claim(key)` before it runs a program: if the program is still queued it
+    leaves the queue (the caller compiles it now, on its own thread), if it is being compiled
+    the caller waits for it, so no program is ever compiled twice. A failed background compile
+    is logged and left to the caller, whose own call then raises the real error."""
+
+    def __init__(self, compile_one: Callable[[Hashable], None], keys: Iterable[Hashable]) -> None:
+        self._compile_one = compile_one
+        self._queue = list(keys)
+        self._compiling: Hashable | None = None
+        self._done: set[Hashable] = set()
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-compile", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                if not self._queue:
+                    self._compiling = None
+                    self._changed.notify_all()
+                    return
+                key = self._compiling = self._queue.pop(0)
+            try:
+                self._compile_one(key)
+                ok = True
+            except Exception:  # the caller's own call will raise it where it can be contained
+                logger.exception("background compile of %s failed", key)
+                ok = False
+            with self._changed:
+                if ok:
+                    self._done.add(key)
+                self._compiling = None
+                self._changed.notify_all()
+
+    def compiled(self, key: Hashable) -> bool:
+        with self._changed:
+            return key in self._done
+
+    def claim(self, key: Hashable) -> None:
+        """Make sure nobody else is compiling `key` (see the class docstring)."""
+        with self._changed:
+            if key in self._queue:
+                self._queue.remove(key)
+            while self._compiling == key:
+                self._changed.wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the queue is empty; False if `timeout` ran out first."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread.is_alive()
+
+
+def default_cache_dir() -> Path:
+    from jaxinfer.default_model import cache_dir
+
+    return cache_dir() / "xla"
+
+
+def use_persistent_cache(setting: bool | str | os.PathLike = True) -> Path | None:
+    """Turn on jax's persistent compilation cache; returns its directory, or None when off.
+
+    `setting`: True = `$JAXINFER_CACHE/xla` (unless `JAXINFER_COMPILATION_CACHE=0` is set in
+    the environment), False = leave jax as it is, a path = that directory. The cache is
+    process-wide: a directory the user (or an earlier engine) already gave jax is kept.
+    Every step program is cached, however fast it compiled: the second start of the same
+    model and config then compiles none."""
+    if setting is False or (setting is True and os.environ.get("JAXINFER_COMPILATION_CACHE", "1") == "0"):
+        return None
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return Path(current)
+    directory = default_cache_dir() if setting is True else Path(setting).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory

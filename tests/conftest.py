@@ -14,6 +14,10 @@ settings.register_profile("seeded", derandomize=True, database=None)
 settings.register_profile("explore", max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "seeded"))
 
+# Engines keep a persistent compilation cache by default; the suite counts compiles, so it
+# runs without one (tests/test_startup.py turns it on in subprocesses of its own).
+os.environ["JAXINFER_COMPILATION_CACHE"] = "0"
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxinfer.attention.dispatch import IMPLS
 from jaxinfer.kv.streaming import StreamingSpec
@@ -40,6 +41,10 @@ class EngineConfig:
     # Speculative decoding (`SpeculativeConfig`: n-gram, self-speculation or a draft model);
     # None = one token per decoding slot per step.
     speculative: SpeculativeConfig | None = None
+    # jax's persistent compilation cache, so a second start compiles nothing: True =
+    # $JAXINFER_CACHE/xla (off when the environment sets JAXINFER_COMPILATION_CACHE=0),
+    # a directory, or False. Process-wide: a cache directory already given to jax is kept.
+    compilation_cache: bool | str | os.PathLike = True
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -58,6 +63,8 @@ class EngineConfig:
             if not isinstance(self.streaming, tuple) or len(self.streaming) != 2:
                 raise ValueError(f"EngineConfig.streaming={self.streaming!r} must be None or a pair (sinks, window)")
             StreamingSpec(*self.streaming)  # validates both
+        if not isinstance(self.compilation_cache, (bool, str, os.PathLike)):
+            raise ValueError(f"EngineConfig.compilation_cache={self.compilation_cache!r} must be True, False or a directory")
         if self.speculative is not None:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
@@ -77,5 +84,6 @@ class EngineMetrics:
     prefix_queries: int
     preemptions: int
     steps: int
-    compiled_programs: int
+    compiled_programs: int  # step programs XLA compiled for this engine (not another engine's, not loaded)
+    cached_programs: int = 0  # step programs loaded from the persistent compilation cache instead
     speculative: SpeculativeStats | None = None  # acceptance per position, tokens per target forward

@@ -38,7 +38,7 @@ from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.loading import Model
-from jaxinfer.programs import CompileCounter
+from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.speculative.checkpoint import load_trained_draft
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
@@ -50,6 +50,9 @@ from jaxinfer.step import PrefillBatch, StepBatch, engine_step
 logger = logging.getLogger(__name__)
 
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
+
+# A step program: (context bucket width, with a prefill group, draft block width; 0 = the plain step)
+ProgramKey = tuple[int, bool, int]
 
 
 class Engine:
@@ -77,10 +80,13 @@ class Engine:
         self.max_model_len = max_len
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
-        self.kv = init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
-                                kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh))
+        self.compilation_cache = use_persistent_cache(config.compilation_cache)
+        self.kv = self._commit(init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
+                                             kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh)))
         self._step, self._spec_step = engine_step, speculative_step
         self._compiles = CompileCounter()  # `compiled_programs`: this engine's programs only
+        self._compiler: BackgroundCompiler | None = None  # `start_warmup`
+        self._ran: set[ProgramKey] = set()  # programs this engine has run
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
             self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
@@ -141,8 +147,15 @@ class Engine:
         self.draft = draft
         if draft.vocab_ids is not None:  # on the device once, not transferred every step
             self._draft_vocab = jax.device_put(np.asarray(draft.vocab_ids, np.int32))
-        self.draft_kv = init_paged_kv(draft.config, self.spec,
-                                      kv_head_copies=sharding.kv_head_copies(draft.config.n_kv_heads, self.config.mesh))
+        self.draft_kv = self._commit(init_paged_kv(
+            draft.config, self.spec, kv_head_copies=sharding.kv_head_copies(draft.config.n_kv_heads, self.config.mesh)))
+
+    def _commit(self, kv):
+        """Fresh caches committed to the params' device, as step outputs are: a jit signature
+        includes committedness, so otherwise the first step would compile a program that
+        steady state never runs again."""
+        device = next(iter(jax.tree.leaves(self.model.params)[0].devices()))
+        return jax.device_put(kv, device)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -266,7 +279,7 @@ class Engine:
         drafts = self._draft_batch(plan) if self.spec_stats else None
         if drafts is not None and self.config.speculative.method == "ngram":
             drafts = self._narrowest(drafts)
-        blocks, accepted, prefill_next, logprobs = self._run(self._batch(plan), drafts)
+        blocks, accepted, prefill_next, logprobs = self._run(self._batch(plan, draft_width(drafts)), drafts)
         kept = [int(accepted[r.slot]) for r in plan.decode]
         self.scheduler.commit(plan, kept)
         self._steps += 1
@@ -304,22 +317,32 @@ class Engine:
         """Run the jitted step -> (tokens i32[B, k + 1], accepted i32[B], prefill tokens i32[P],
         (logprobs [B] or [B, k + 1] when speculating, prefill logprobs [P]) left on the device:
         fetched only when a request asks for them). Slot b emits tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
-        m = self.model
+        key = program_key(batch, drafts)
+        if self._compiler is not None and key not in self._ran:
+            self._compiler.claim(key)  # compiled in the background already, or now, never twice
+        fn, args = self._program(batch, drafts, self.kv, self.draft_kv)
         if drafts is None:
-            # positional: jit refuses keywords next to in_shardings (`sharding.shard_engine`)
-            self.kv, out = self._compiles.call(self._step, m.params, m.config, self.kv, self._place(batch),
-                                               self.config.attention_impl, self.config.mesh)
+            self.kv, out = self._compiles.call(fn, *args)
             tokens, accepted = np.asarray(out.decode_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
             logprobs = out.decode_logprobs
         else:
-            d = self.draft
-            self.kv, self.draft_kv, out = self._compiles.call(
-                self._spec_step, m.params, m.config, self.kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
-                self._draft_vocab, self.draft_kv, None if d is None else d.config,
-                0 if d is None else d.shares_target_layers, self.config.attention_impl, self.config.mesh)
+            self.kv, self.draft_kv, out = self._compiles.call(fn, *args)
             tokens, accepted, logprobs = np.asarray(out.tokens), np.asarray(out.num_accepted), out.logprobs
+        self._ran.add(key)
         prefill = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
         return tokens, accepted, prefill, (logprobs, out.prefill_logprobs)
+
+    def _program(self, batch: StepBatch, drafts: DraftBatch | None, kv, draft_kv) -> tuple[jax.stages.Wrapped, tuple]:
+        """The jitted step for `batch` and its positional arguments (jit refuses keywords next
+        to in_shardings: `sharding.shard_engine`)."""
+        m, c = self.model, self.config
+        if drafts is None:
+            return self._step, (m.params, m.config, kv, self._place(batch), c.attention_impl, c.mesh)
+        d = self.draft
+        return self._spec_step, (
+            m.params, m.config, kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
+            self._draft_vocab, draft_kv, None if d is None else d.config, 0 if d is None else d.shares_target_layers,
+            c.attention_impl, c.mesh)
 
     def _draft_batch(self, plan: SchedulePlan) -> DraftBatch:
         """How many drafts each decoding slot verifies; n-gram drafts are proposed here."""
@@ -352,25 +375,63 @@ class Engine:
         for stats in (req.metrics.speculative, self.spec_stats):
             stats.record(num_draft, num_accepted, emitted)
 
-    def warmup(self) -> int:
-        """Compile every program traffic can need (decode-only and decode + prefill, at each
-        context bucket; with speculation, the verifying step too) by running steps in which
-        no row is active. Returns the count."""
-        kinds = [None]  # the plain step
+    def program_keys(self) -> list[ProgramKey]:
+        """Every program traffic can need, in the order warm-up compiles them: the smallest
+        context bucket first (what short requests run), then the largest (it fits every
+        sequence), then the rest. Per bucket: decode + prefill, decode only; with speculation,
+        the verifying step at each draft width (n-gram: also the plain step, for steps with
+        nothing to verify)."""
+        drafts = [0]
         if self.spec_stats:
-            b = self.spec.max_slots
-            kinds = [DraftBatch(tokens=np.zeros((b, w), np.int32), num_draft=np.zeros(b, np.int32)) for w in self.draft_widths]
-            if self.config.speculative.method == "ngram":
-                kinds.append(None)  # steps with nothing to verify run the plain program
-        # Twice: the first call sees freshly made (uncommitted) caches, whose jit signature
-        # differs from the steady state's (committed step outputs); the second pass compiles
-        # the steady-state programs traffic will use.
-        for _ in range(2):
-            for width in self.context_buckets:
-                for with_prefill in (False, True):
-                    for drafts in kinds:
-                        self._run(self._idle_batch(width, with_prefill), drafts)
-        return 2 * len(self.context_buckets) * len(kinds)
+            drafts = self.draft_widths + ([0] if self.config.speculative.method == "ngram" else [])
+        buckets = self.context_buckets
+        order = [buckets[0]] + ([buckets[-1]] if len(buckets) > 1 else []) + buckets[1:-1]
+        return [(w, prefill, d) for w in order for prefill in (True, False) for d in drafts]
+
+    def warmup(self) -> int:
+        """Compile every program traffic can need (`program_keys`) now; returns how many.
+        `start_warmup` does the same in the background while the engine serves."""
+        for key in self.program_keys():
+            self._compile(key)
+        return len(self.program_keys())
+
+    def start_warmup(self) -> None:
+        """Compile every program on a background thread, the smallest first, while `step`
+        serves with the programs compiled so far: a step runs the smallest compiled context
+        bucket that holds its sequences, and compiles (or waits for) one itself only when none
+        does. `ready` says when the smallest bucket's programs are there."""
+        if self._compiler is None:
+            self._compiler = BackgroundCompiler(self._compile, self.program_keys())
+
+    @property
+    def ready(self) -> bool:
+        """False only while `start_warmup` has not yet compiled the smallest bucket's programs
+        (without it, steps compile what they need when they need it)."""
+        if self._compiler is None:
+            return True
+        first = [k for k in self.program_keys() if k[0] == self.context_buckets[0]]
+        return all(k in self._ran or self._compiler.compiled(k) for k in first)
+
+    @property
+    def warming_up(self) -> bool:
+        """True while `start_warmup`'s background compiles are still going."""
+        return self._compiler is not None and self._compiler.busy
+
+    def _compile(self, key: ProgramKey) -> None:
+        """Compile the program `key` without running it: jit's own caches keep the executable
+        for the first real call. The caches are abstract (`ShapeDtypeStruct`s with their
+        placements), so this may run while `step` donates the real ones."""
+        if key in self._ran:
+            return
+        width, with_prefill, draft_width = key
+        b = self.spec.max_slots
+        drafts = None if draft_width == 0 else DraftBatch(tokens=np.zeros((b, draft_width), np.int32),
+                                                          num_draft=np.zeros(b, np.int32))
+        abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+        fn, args = self._program(self._idle_batch(width, with_prefill), drafts, abstract(self.kv),
+                                 None if self.draft_kv is None else abstract(self.draft_kv))
+        with self._compiles.attribute():
+            fn.lower(*args).compile()
 
     def _idle_prefill(self) -> PrefillBatch:
         """Prefill rows with no tokens; each idle row points at the first slot of the data
@@ -389,12 +450,9 @@ class Engine:
             prefill=self._idle_prefill() if with_prefill else None,
         )
 
-    def _batch(self, plan: SchedulePlan) -> StepBatch:
+    def _batch(self, plan: SchedulePlan, draft_width: int = 0) -> StepBatch:
         b = self.spec.max_slots
-        # Attention gathers `width` pages per row: the smallest bucket that holds every
-        # running sequence, so short contexts do not pay for max_model_len.
-        longest = max(len(r.pages) for r in self.scheduler.running)
-        width = next(w for w in self.context_buckets if w >= longest)
+        width = self._bucket(max(len(r.pages) for r in self.scheduler.running), bool(plan.prefill), draft_width)
         block_tables = np.full((b, width), NULL_PAGE, np.int32)
         lengths = np.zeros(b, np.int32)
         params: list[SamplingParams] = [SamplingParams(temperature=0)] * b
@@ -419,6 +477,18 @@ class Engine:
             block_tables=block_tables, lengths=lengths, decode_tokens=decode_tokens, decode_active=active,
             sampling=SamplingArrays.from_params(params, seeds), prefill=prefill,
         )
+
+    def _bucket(self, pages: int, with_prefill: bool, draft_width: int) -> int:
+        """Attention gathers `width` pages per row: the smallest bucket that holds `pages`
+        (so short contexts do not pay for max_model_len) whose program is compiled, while
+        `start_warmup` is still compiling; the smallest that holds them otherwise."""
+        fits = [w for w in self.context_buckets if w >= pages]
+        if self._compiler is not None:
+            for w in fits:
+                key = (w, with_prefill, draft_width)
+                if key in self._ran or self._compiler.compiled(key):
+                    return w
+        return fits[0]
 
     # ---- conveniences -----------------------------------------------------------------------
 
@@ -473,9 +543,19 @@ class Engine:
             pages_free=s.num_free, pages_cached=s.num_cached,
             prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
-            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._compiles.programs,
+            preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._compiles.compiled,
+            cached_programs=self._compiles.from_cache,
             speculative=copy.deepcopy(self.spec_stats),
         )
+
+
+def draft_width(drafts: DraftBatch | None) -> int:
+    return 0 if drafts is None else drafts.tokens.shape[1]
+
+
+def program_key(batch: StepBatch, drafts: DraftBatch | None) -> ProgramKey:
+    """Which program runs `batch` with `drafts`."""
+    return (batch.block_tables.shape[1], batch.prefill is not None, draft_width(drafts))
 
 
 def _logprob_at(lp: TokenLogprobs, row: int, j: int, n: int) -> tuple[float, list[tuple[int, float]]]:

@@ -33,6 +33,7 @@ from jaxinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, 
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 DONE = "data: [DONE]\n\n"
+WARMING_RETRY_AFTER_S = 5  # what /health's Retry-After suggests while the engine compiles
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +318,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        engine = server.loop.engine
+        if not engine.ready:  # read-only peek at the engine thread's state: a momentary answer
+            return JSONResponse({"status": "warming up", "detail": "compiling the engine's programs"},
+                                status_code=503, headers={"Retry-After": str(WARMING_RETRY_AFTER_S)})
+        return {"status": "ok", "compiling_in_background": engine.warming_up}
 
     @app.get("/metrics")
     async def metrics():

@@ -13,13 +13,16 @@ from jaxinfer.server.loop import EngineLoop
 
 def build_server(model: Model, engine_config: EngineConfig, model_name: str, api_key: str | None = None,
                  max_queue: int = 256, warmup: bool = True) -> OpenAIServer:
-    """An engine (compiled up front with `warmup`) behind an `OpenAIServer`. At most
-    `max_slots + max_queue` requests are outstanding; more are answered 429."""
+    """An engine behind an `OpenAIServer`. At most `max_slots + max_queue` requests are
+    outstanding; more are answered 429. With `warmup` the engine compiles its programs in the
+    background (`Engine.start_warmup`): the server answers at once, `/health` says 503
+    "warming up" until short requests can be served without compiling, and requests sent
+    meanwhile wait for the programs they need."""
     if max_queue < 0:
         raise ValueError(f"{max_queue=} must be >= 0")
     engine = Engine(model, engine_config)
     if warmup:
-        engine.warmup()
+        engine.start_warmup()
     return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key)
 
 

@@ -1,0 +1,184 @@
+"""Startup: programs compiled once, in the background while serving, and kept on disk so a
+second start compiles none (`jaxinfer.programs`, `Engine.start_warmup`, `/health`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.loading import Model
+from jaxinfer.programs import BackgroundCompiler
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.server import build_server
+from tiny_models import tiny_model
+
+T = 120  # seconds a wait may take on a busy machine
+
+# Two context buckets (4 and 8 pages) -> 4 programs.
+CONFIG = EngineConfig(max_slots=4, page_size=8, max_model_len=64, prefill_chunk=8)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    config, params = tiny_model()
+    return Model(config, params, None)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 90, int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def test_warmup_compiles_each_program_once_and_traffic_nothing_more(model):
+    eng = Engine(model, CONFIG)
+    assert eng.warmup() == len(eng.program_keys()) == 2 * len(eng.context_buckets)
+    assert eng.metrics().compiled_programs == len(eng.program_keys())
+    eng.generate(prompts(6, seed=1), SamplingParams(max_tokens=20))
+    assert eng.metrics().compiled_programs == len(eng.program_keys())
+
+
+def test_background_warmup_serves_the_same_tokens_and_compiles_each_program_once(model):
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=24)
+    reference = [o.token_ids for o in Engine(model, CONFIG).generate(prompts(6, seed=2), sp)]
+    eng = Engine(model, CONFIG)
+    eng.start_warmup()
+    outs = eng.generate(prompts(6, seed=2), sp)  # served while the other programs compile
+    assert [o.token_ids for o in outs] == reference
+    assert eng._compiler.wait(T)
+    assert eng.ready and not eng.warming_up
+    # the jax caches are shared with the reference engine above: this one counts only what
+    # it compiled itself, and never a program twice
+    assert eng.metrics().compiled_programs <= len(eng.program_keys())
+    eng.generate(prompts(3, seed=4), sp)
+    assert eng.metrics().compiled_programs <= len(eng.program_keys())
+
+
+def test_a_step_runs_the_smallest_compiled_bucket_that_fits(model):
+    """While warm-up has compiled only the largest bucket, a short request runs there (and
+    compiles nothing itself); the tokens are the same as in its own bucket."""
+    eng = Engine(model, CONFIG)
+    largest = [k for k in eng.program_keys() if k[0] == eng.context_buckets[-1]]
+    for key in largest:
+        eng._compile(key)
+    eng._compiler = BackgroundCompiler(lambda key: None, [])  # warm-up "running", nothing more to come
+    eng._compiler._done.update(largest)
+    before = eng.metrics().compiled_programs
+    widths = []
+    run = eng._run
+    eng._run = lambda batch, drafts: widths.append(batch.block_tables.shape[1]) or run(batch, drafts)
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0]
+    assert set(widths) == {eng.context_buckets[-1]}
+    assert eng.metrics().compiled_programs == before
+    assert out.token_ids == Engine(model, CONFIG).generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids
+
+
+def test_background_compiler_never_compiles_a_program_twice():
+    started, release, compiled = threading.Event(), threading.Event(), []
+
+    def compile_one(key):
+        if key == "a":
+            started.set()
+            release.wait(T)
+        compiled.append(key)
+
+    bc = BackgroundCompiler(compile_one, ["a", "b", "c"])
+    assert started.wait(T)
+    bc.claim("c")  # still queued: the caller takes it over
+    waiter = threading.Thread(target=bc.claim, args=("a",))  # being compiled: the caller waits
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()
+    release.set()
+    waiter.join(T)
+    assert bc.wait(T)
+    assert compiled == ["a", "b"] and bc.compiled("a") and bc.compiled("b") and not bc.compiled("c")
+
+
+def test_a_failed_background_compile_is_left_to_the_step():
+    def compile_one(key):
+        raise RuntimeError("no")
+
+    bc = BackgroundCompiler(compile_one, ["a"])
+    assert bc.wait(T) and not bc.compiled("a")
+
+
+def test_health_says_warming_up_with_503_until_ready(model, monkeypatch):
+    from test_server import ServerThread
+
+    release = threading.Event()
+    compile_now = Engine._compile
+
+    def held_compile(self, key):
+        release.wait(T)
+        compile_now(self, key)
+
+    monkeypatch.setattr(Engine, "_compile", held_compile)
+    s = ServerThread(build_server(model, CONFIG, "tiny"))
+    try:
+        r = httpx.get(f"{s.url}/health", timeout=T)
+        assert r.status_code == 503
+        assert int(r.headers["retry-after"]) > 0
+        assert r.json()["status"] == "warming up"
+        release.set()
+        deadline = time.monotonic() + T
+        while (r := httpx.get(f"{s.url}/health", timeout=T)).status_code == 503:
+            assert time.monotonic() < deadline, "never became ready"
+            time.sleep(0.1)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    finally:
+        release.set()
+        s.stop()
+
+
+# ---- persistent compilation cache: a second process compiles nothing -------------------------
+
+START = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from tiny_models import tiny_model
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.loading import Model
+from jaxinfer.sampling import SamplingParams
+config, params = tiny_model()
+eng = Engine(Model(config, params, None), EngineConfig(max_slots=2, page_size=8, max_model_len=32,
+                                                       compilation_cache={setting}))
+eng.warmup()
+out = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6))[0]
+m = eng.metrics()
+print(json.dumps(dict(compiled=m.compiled_programs, cached=m.cached_programs, tokens=out.token_ids,
+                      programs=len(eng.program_keys()))))
+"""
+
+
+def start(tmp_path: Path, setting: str = "True", env_cache: str = "1") -> dict:
+    env = dict(os.environ, JAXINFER_CACHE=str(tmp_path), JAXINFER_COMPILATION_CACHE=env_cache)
+    code = START.format(tests=str(Path(__file__).parent), setting=setting)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_second_start_compiles_nothing(tmp_path):
+    first = start(tmp_path)
+    assert first["compiled"] == first["programs"] and first["cached"] == 0
+    assert any((tmp_path / "xla").iterdir())
+    second = start(tmp_path)
+    assert second["compiled"] == 0 and second["cached"] == first["programs"]
+    assert second["tokens"] == first["tokens"]
+
+
+def test_compilation_cache_opt_outs_write_nothing(tmp_path):
+    for setting, env_cache in (("False", "1"), ("True", "0")):
+        run = start(tmp_path, setting, env_cache)
+        assert run["compiled"] == run["programs"] and run["cached"] == 0
+        assert not (tmp_path / "xla").exists()
