@@ -99,10 +99,10 @@ def read(key: CacheKey) -> dict[str, np.ndarray] | None:
         if bad:
             raise ValueError(f"tensor {bad[0]!r} fails its crc32")
         return tensors
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except _CORRUPT as error:
-        warnings.warn(f"weight cache {key.file} is corrupt ({error}); rebuilding it")
+        warnings.warn(f"weight cache {key.file} is corrupt or unreadable ({error}); rebuilding it")
         return None
 
 
