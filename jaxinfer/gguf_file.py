@@ -18,6 +18,7 @@ then, aligned to `general.alignment` (default 32), the tensor data.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import struct
@@ -110,14 +111,15 @@ def _parse(path: Path, buffer: mmap.mmap) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
-def _tensor_bytes(buffer: mmap.mmap, name: str, shape, qtype, start: int) -> np.ndarray:
+def _tensor_bytes(buffer: mmap.mmap, name: str, shape: tuple[int, ...], qtype, start: int) -> np.ndarray:
+    """The bytes of one tensor, uint8 `[*shape[:-1], row_bytes]`, rows of whole quant blocks."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if shape and shape[-1] % block_size:
-        raise ValueError(f"tensor {name!r}: row length {shape[-1]} is not a multiple of {qtype.name}'s block {block_size}")
-    row_bytes = (shape[-1] if shape else 1) // block_size * type_size
-    n_bytes = row_bytes * int(np.prod(shape[:-1], dtype=np.int64))
+    if not shape or shape[-1] % block_size:
+        raise ValueError(f"tensor {name!r} of shape {shape} is not made of whole {qtype.name} blocks ({block_size})")
+    row_bytes = shape[-1] // block_size * type_size
+    n_bytes = row_bytes * math.prod(shape[:-1])
     if start + n_bytes > len(buffer):
-        raise ValueError(f"tensor {name!r} ends at byte {start + n_bytes}, past the end of the file ({len(buffer)}): truncated")
+        raise ValueError(f"tensor {name!r} ends past the end of the file ({len(buffer)} bytes): truncated")
     return np.frombuffer(buffer, np.uint8, n_bytes, start).reshape(*shape[:-1], row_bytes)
 
 

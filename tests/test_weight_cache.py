@@ -15,7 +15,7 @@ import safetensors
 from test_checkpoint import TOKENIZER_TEXTS, flat, tiny_config, write_gguf
 
 from jaxinfer import gguf_file
-from jaxinfer.checkpoint import gguf_loader, load_gguf, progress
+from jaxinfer.checkpoint import gguf_loader, load_gguf, progress, weight_cache
 from jaxinfer.loading import load_model
 from jaxinfer.model import init_random_params
 from jaxinfer.tokenizer import Tokenizer
@@ -111,6 +111,20 @@ def test_a_new_loader_version_rebuilds_the_cache(q_gguf, cache, monkeypatch):
     monkeypatch.setattr(gguf_loader, "LOADER_VERSION", gguf_loader.LOADER_VERSION + 1)
     load_gguf(q_gguf, weight_cache=True)
     assert calls
+
+
+def test_tensors_the_cache_lacks_are_produced_and_added(q_gguf, cache, monkeypatch):
+    """E.g. after the params layout changed: what matches is used, the rest dequantized."""
+    fresh = load_gguf(q_gguf, weight_cache=True)[1]
+    key = gguf_loader.weight_cache_key(q_gguf, "float32")
+    weight_cache.write(key, {n: a for n, a in flat(fresh).items() if n != "layers.1.wk"})
+    calls = []
+    dequantize = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(1) or dequantize(*a))
+    assert_bit_identical(load_gguf(q_gguf, weight_cache=True)[1], fresh)
+    assert len(calls) == 1
+    forbid_dequantizing(monkeypatch)  # the file was completed
+    assert_bit_identical(load_gguf(q_gguf, weight_cache=True)[1], fresh)
 
 
 def _flip_last_byte(data: bytes) -> bytes:

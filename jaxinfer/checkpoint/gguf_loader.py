@@ -59,7 +59,7 @@ _LAYER_TENSORS = {  # LayerParams field -> name inside `blk.{i}.`
 # caches written by another version are then rebuilt.
 LOADER_VERSION = 1
 # Tensor types read as they are; any other type is dequantized, which is worth caching.
-_FLOAT_TYPES = frozenset({gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16})
+_FLOAT_TYPES = frozenset(gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "BF16"))
 _REQUIRED = object()  # `field` default: a missing key is an error
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -102,10 +102,14 @@ def load_gguf(
     with contextlib.ExitStack() as stack, as_checkpoint_error(path):
         get = dequantized
         if use_cache:
-            key = cache.cache_key(path, dtype, f"jaxinfer load_gguf v{LOADER_VERSION}, gguf {version('gguf')}")
-            get = stack.enter_context(cache.cached(key, get))
+            get = stack.enter_context(cache.cached(weight_cache_key(path, dtype), get))
         get = stack.enter_context(progress_bar.counting(get, _n_params(tensors), f"loading {path.name}", progress))
         return config, build_params(config, get, place=place)
+
+
+def weight_cache_key(path: Path, dtype: str) -> cache.CacheKey:
+    """Where `load_gguf(path, dtype, weight_cache=True)` caches its tensors, and what for."""
+    return cache.cache_key(path, dtype, f"jaxinfer load_gguf v{LOADER_VERSION}, gguf {version('gguf')}")
 
 
 def open_gguf_checked(path: Path) -> GGUFFile:

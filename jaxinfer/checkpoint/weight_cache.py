@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -71,20 +72,24 @@ def cache_key(source: Path, dtype: str, producer: str) -> CacheKey:
 
 @contextlib.contextmanager
 def cached(key: CacheKey, produce: Get) -> Iterator[Get]:
-    """A `get(name, shape)` for `build_params` that reads `key`'s cache file if it is valid, or
-    else calls `produce` and, if the block completes, caches everything it produced."""
-    tensors = read(key)
-    if tensors is not None:
-        yield lambda name, shape: tensors[name]
-        return
-    produced: dict[str, np.ndarray] = {}
+    """A `get(name, shape)` for `build_params` that reads `key`'s cache file where it is valid
+    and calls `produce` for the rest; if it produced anything and the block completes, it
+    (re)writes the cache file with everything it handed out."""
+    tensors = read(key) or {}
+    handed_out: dict[str, np.ndarray] = {}
+    produced = False
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        produced[name] = array = produce(name, shape)
+        nonlocal produced
+        array = tensors.get(name)
+        if array is None or array.shape != shape:  # not cached, or cached for another params layout
+            array, produced = produce(name, shape), True
+        handed_out[name] = array
         return array
 
     yield get
-    write(key, produced)
+    if produced:
+        write(key, handed_out)
 
 
 def read(key: CacheKey) -> dict[str, np.ndarray] | None:
@@ -132,7 +137,8 @@ def _write_safetensors(f: BinaryIO, tensors: dict[str, np.ndarray], metadata: di
     Not `safetensors.numpy.save_file`, which pads the header to 8 bytes only: padded to 64, most
     tensors start 64-byte aligned, and jax on CPU then uses the mapped bytes in place, uncopied."""
     tensors = {name: np.ascontiguousarray(t) for name, t in tensors.items()}
-    header: dict[str, Any] = {"__metadata__": metadata | {"crc32": json.dumps({n: _crc32(t) for n, t in tensors.items()})}}
+    crcs = {name: _crc32(t) for name, t in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": metadata | {"crc32": json.dumps(crcs)}}
     offset = 0
     for name, t in tensors.items():
         header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
@@ -158,7 +164,7 @@ def _map_safetensors(file: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]
     for name, info in header.items():
         dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
         begin, end = info["data_offsets"]
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if end - begin != count * dtype.itemsize or start + end > len(buffer):
             raise ValueError(f"tensor {name!r} has bad data offsets {begin, end}")
         tensors[name] = np.frombuffer(buffer, dtype, count, start + begin).reshape(shape)
