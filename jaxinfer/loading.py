@@ -20,29 +20,35 @@ class Model:
     source: str = ""
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True, place=None) -> Model:
+def load_model(
+    path: str | Path | None = None,
+    dtype: str = "float32",
+    progress: bool = True,
+    place=None,
+    weight_cache: bool = True,
+) -> Model:
     """Load a `.gguf` file, an HF directory or an orbax directory written by `jaxinfer convert`.
 
     With no path, the default model (SmolLM2-135M-Instruct) is fetched on first use.
     `place(config, name, array)`: where each GGUF/HF tensor goes as it is read (see `build_params`).
+    `weight_cache` (GGUF): keep the dequantized weights in `<cache>/weights` after the first load
+    and memory-map them on later loads (`jaxinfer.checkpoint.weight_cache`);
+    `$JAXINFER_NO_WEIGHT_CACHE=1` turns it off everywhere. `progress=False`: print nothing.
     """
-    from jaxinfer.checkpoint import load_checkpoint
+    from jaxinfer.checkpoint import is_gguf, load_checkpoint, load_gguf, open_gguf_checked
 
     if path is None:
         from jaxinfer.default_model import default_model_path
 
         path = default_model_path(progress=progress)
     path = Path(path)
-    config, params = load_checkpoint(path, dtype=dtype, place=place)
-    tokenizer = _load_tokenizer(path)
+    if is_gguf(path):
+        gguf_file = open_gguf_checked(path)  # parsed once, for the weights and the tokenizer
+        config, params = load_gguf(gguf_file, dtype, place, weight_cache=weight_cache, progress=progress)
+        tokenizer = Tokenizer.from_gguf(gguf_file)
+    else:
+        config, params = load_checkpoint(path, dtype=dtype, place=place)
+        tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").exists() else None
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)
     return Model(config=config, params=params, tokenizer=tokenizer, source=str(path))
-
-
-def _load_tokenizer(path: Path) -> Tokenizer | None:
-    if path.is_file() and path.suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
-    if (path / "tokenizer.json").exists():
-        return Tokenizer.from_pretrained_dir(path)
-    return None

@@ -32,7 +32,7 @@ import tokenizers
 from tokenizers import decoders
 
 from jaxinfer.chat_template import compile_chat_template, validate_messages
-from jaxinfer.gguf_metadata import gguf_metadata
+from jaxinfer.gguf_file import GGUFFile, read_gguf
 from jaxinfer.gguf_tokenizer import SPM_SPACE, UNICODE_TO_BYTE, backend_from_gguf, bos_eos_processor
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -77,13 +77,15 @@ class Tokenizer:
     # --- construction ------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """Build from the `tokenizer.*` metadata of a GGUF file (the tensors are not read)."""
-        return cls.from_gguf_metadata(gguf_metadata(path), source=os.fspath(path))
+    def from_gguf(cls, source: str | os.PathLike | GGUFFile) -> Tokenizer:
+        """Build from the `tokenizer.*` metadata of a GGUF file, given by path or already read
+        (`jaxinfer.gguf_file.read_gguf`); the tensors are not read."""
+        gguf = source if isinstance(source, GGUFFile) else read_gguf(source)
+        return cls.from_gguf_metadata(gguf.metadata, source=str(gguf.path))
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "<metadata>") -> Tokenizer:
-        """Build from already-decoded GGUF metadata (`jaxinfer.gguf_metadata.gguf_metadata`);
+        """Build from already-decoded GGUF metadata (`GGUFFile.metadata`);
         supported models and pre-tokenizers: `jaxinfer.gguf_tokenizer`."""
         g = backend_from_gguf(meta, source)
         return cls(g.backend, bos_id=g.bos_id, eos_ids=g.eos_ids, chat_template=g.chat_template,

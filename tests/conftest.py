@@ -30,6 +30,13 @@ def smollm2_gguf() -> Path:
     return default_model_path(progress=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_weight_cache(monkeypatch):
+    """Loads in tests never write dequantized weights into the user's cache; tests of the weight
+    cache turn it back on with their own `JAXINFER_CACHE`."""
+    monkeypatch.setenv("JAXINFER_NO_WEIGHT_CACHE", "1")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs_after_each_module():
     """The suite runs in one process on a 24 GiB machine: XLA executables of the real model

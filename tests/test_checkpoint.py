@@ -330,9 +330,11 @@ def tiny_config(arch: str = "llama", **changes) -> ModelConfig:
 
 
 def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], *, arch: str | None = None,
-               skip: tuple[str, ...] = (), rope_freqs: np.ndarray | None = None) -> Path:
+               skip: tuple[str, ...] = (), rope_freqs: np.ndarray | None = None,
+               qtype: gguf.GGMLQuantizationType | None = None) -> Path:
     """Write `weights` (our names, HF layout) the way llama.cpp's converter would: llama q/k
-    rows permuted, ggml names, f32. `skip` leaves out metadata fields or tensors by name."""
+    rows permuted, ggml names, f32 (matrices in `qtype` if given). `skip` leaves out metadata
+    fields or tensors by name."""
     arch = arch or config.arch
     writer = gguf.GGUFWriter(str(path), arch)
     ints = {"block_count": config.n_layers, "context_length": config.max_position,
@@ -358,8 +360,13 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], 
             array = llama_permute(array, config.n_heads, config.n_heads)
         if arch == "llama" and field in ("wk", "bk"):
             array = llama_permute(array, config.n_heads, config.n_kv_heads)
-        if gguf_name(name) not in skip:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if gguf_name(name) in skip:
+            continue
+        if qtype is not None and array.ndim == 2:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), array)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
     writer.write_header_to_file()

@@ -12,22 +12,23 @@ import os
 from pathlib import Path
 
 from jaxinfer.checkpoint.errors import CheckpointError
-from jaxinfer.checkpoint.gguf_loader import load_gguf
+from jaxinfer.checkpoint.gguf_loader import load_gguf, open_gguf_checked
 from jaxinfer.checkpoint.hf_loader import SHARD_INDEX, SINGLE_FILE, is_hf_dir, load_hf_dir
 from jaxinfer.checkpoint.orbax_io import MARKER_FILE, is_orbax_dir, load_orbax, save_orbax
 from jaxinfer.config import ModelConfig
+from jaxinfer.gguf_file import is_gguf_file
 from jaxinfer.model.params import ModelParams
 
 __all__ = [
     "CheckpointError",
+    "is_gguf",
     "load_checkpoint",
     "load_gguf",
     "load_hf_dir",
     "load_orbax",
+    "open_gguf_checked",
     "save_orbax",
 ]
-
-_GGUF_MAGIC = b"GGUF"
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: str = "float32", place=None) -> tuple[ModelConfig, ModelParams]:
@@ -40,14 +41,13 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32", place=None)
     `place(config, name, array)` (GGUF and HF only) puts each tensor on its devices as it is read.
     """
     path = Path(path)
-    if path.is_file():
-        if path.suffix == ".gguf" or _starts_with(path, _GGUF_MAGIC):
-            return load_gguf(path, dtype=dtype, place=place)
-    elif is_orbax_dir(path):
+    if is_gguf(path):
+        return load_gguf(path, dtype=dtype, place=place)
+    if is_orbax_dir(path):
         return load_orbax(path, dtype=dtype)
-    elif is_hf_dir(path):
+    if is_hf_dir(path):
         return load_hf_dir(path, dtype=dtype, place=place)
-    elif not path.exists():
+    if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     raise CheckpointError(
         f"{path}: unknown checkpoint format; expected a .gguf file, a Hugging Face directory "
@@ -55,6 +55,6 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32", place=None)
     )
 
 
-def _starts_with(file: Path, magic: bytes) -> bool:
-    with open(file, "rb") as f:
-        return f.read(len(magic)) == magic
+def is_gguf(path: Path) -> bool:
+    """A file named `*.gguf` or starting with the GGUF magic (`load_gguf` reports a bad one)."""
+    return path.is_file() and (path.suffix == ".gguf" or is_gguf_file(path))

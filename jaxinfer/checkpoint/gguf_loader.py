@@ -1,10 +1,13 @@
 """Load a GGUF file (llama.cpp's format) into `ModelConfig` + `ModelParams`.
 
-Layout facts (checked on the SmolLM2 Q4_1 file): `GGUFReader` reports `tensor.shape` in
-ggml order, fastest axis first (`[576, 49152]` for the embedding), while `tensor.data` and
-`gguf.quants.dequantize(tensor.data, tensor.tensor_type)` are numpy arrays in row order
+Layout facts (checked on the SmolLM2 Q4_1 file): ggml lists dims fastest axis first
+(`[576, 49152]` for the embedding); `jaxinfer.gguf_file` reverses them, and
+`gguf.quants.dequantize(tensor.data, tensor.type)` yields numpy arrays in row order
 `[rows, cols]` = `[out, in]` (`[49152, 576]`), which is already our HF layout. Quantized
 tensors are dequantized to float32 one at a time, then cast to `dtype`.
+
+Dequantizing costs seconds per load, so `weight_cache=True` keeps the result on disk
+(`jaxinfer.checkpoint.weight_cache`) and later loads memory-map it instead.
 
 llama.cpp's converter stores the q and k projection rows of `llama` models in its own
 order (see `unpermute_rows`); we undo that so every loader yields the same HF layout and the
@@ -13,17 +16,21 @@ forward uses one RoPE convention (rotate-half). `qwen2` files are not permuted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 
+from jaxinfer.checkpoint import progress as progress_bar
+from jaxinfer.checkpoint import weight_cache as cache
 from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
 from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, ModelConfig
-from jaxinfer.gguf_metadata import gguf_metadata, open_gguf
+from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.params import ModelParams, build_params
 
 # general.architecture -> whether q/k rows are in llama.cpp's permuted order.
@@ -48,24 +55,40 @@ _LAYER_TENSORS = {  # LayerParams field -> name inside `blk.{i}.`
     "bk": "attn_k.bias",
     "bv": "attn_v.bias",
 }
+# Bump when the tensors `load_gguf` produces change (names, layout, dequantization): weight
+# caches written by another version are then rebuilt.
+LOADER_VERSION = 1
+# Tensor types read as they are; any other type is dequantized, which is worth caching.
+_FLOAT_TYPES = frozenset(gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "BF16"))
 _REQUIRED = object()  # `field` default: a missing key is an error
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
-def load_gguf(path: str | os.PathLike, dtype: str = "float32", place=None) -> tuple[ModelConfig, ModelParams]:
-    """Read config and weights from a GGUF file; weights come back in HF layout, in `dtype`.
+def load_gguf(
+    source: str | os.PathLike | GGUFFile,
+    dtype: str = "float32",
+    place=None,
+    *,
+    weight_cache: bool = False,
+    progress: bool = False,
+) -> tuple[ModelConfig, ModelParams]:
+    """Read config and weights from a GGUF file (a path, or one already read with
+    `open_gguf_checked`); weights come back in HF layout, in `dtype`.
 
     Supports `general.architecture` `llama` (also Mistral files) and `qwen2`. Raises
     `CheckpointError` naming the file and the field or tensor for anything it cannot load.
+    `weight_cache=True`: read the dequantized weights from the weight cache, or write them
+    there (quantized files only; `$JAXINFER_NO_WEIGHT_CACHE` overrides). `progress`: a bar on
+    stderr if reading the weights takes over 2 s.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {SUPPORTED_DTYPES}")
-    path = Path(path)
-    reader = open_gguf_checked(path)
-    tensors = {t.name: t for t in reader.tensors}
-    config = config_from_gguf(gguf_metadata(reader), tensors, path).replace(dtype=dtype)
+    gguf_file = source if isinstance(source, GGUFFile) else open_gguf_checked(Path(source))
+    path, tensors = gguf_file.path, gguf_file.tensors
+    config = config_from_gguf(gguf_file.metadata, tensors, path).replace(dtype=dtype)
+    np_dtype = np.dtype(config.jnp_dtype)  # cast here, so that the weight cache holds the final arrays
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def dequantized(name: str, shape: tuple[int, ...]) -> np.ndarray:
         gguf_name = _gguf_tensor_name(name)
         array = _dequantize(tensors, gguf_name, path)
         if array.shape != shape:
@@ -73,26 +96,36 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32", place=None) -> tu
         field = name.rsplit(".", 1)[-1]
         if _QK_PERMUTED[config.arch] and field in ("wq", "bq", "wk", "bk"):
             array = unpermute_rows(array, config.n_heads if field in ("wq", "bq") else config.n_kv_heads)
-        return array
+        return array.astype(np_dtype, copy=False)
 
-    with as_checkpoint_error(path):
+    use_cache = weight_cache and cache.enabled() and any(t.type not in _FLOAT_TYPES for t in tensors.values())
+    with contextlib.ExitStack() as stack, as_checkpoint_error(path):
+        get = dequantized
+        if use_cache:
+            get = stack.enter_context(cache.cached(weight_cache_key(path, dtype), get))
+        get = stack.enter_context(progress_bar.counting(get, _n_params(tensors), f"loading {path.name}", progress))
         return config, build_params(config, get, place=place)
 
 
-def open_gguf_checked(path: Path) -> gguf.GGUFReader:
-    """`open_gguf(path)` with its failures (missing, truncated, corrupt) as `CheckpointError`."""
+def weight_cache_key(path: Path, dtype: str) -> cache.CacheKey:
+    """Where `load_gguf(path, dtype, weight_cache=True)` caches its tensors, and what for."""
+    return cache.cache_key(path, dtype, f"jaxinfer load_gguf v{LOADER_VERSION}, gguf {version('gguf')}")
+
+
+def open_gguf_checked(path: Path) -> GGUFFile:
+    """`read_gguf(path)` with its failures (missing, truncated, corrupt) as `CheckpointError`."""
     try:
-        return open_gguf(path)
+        return read_gguf(path)
     except FileNotFoundError as error:
         raise CheckpointError(str(error)) from error
     except ValueError as error:
         raise CheckpointError(f"{error} (truncated or corrupt?)") from error
 
 
-def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any], path: Path) -> ModelConfig:
-    """Build the `ModelConfig` from GGUF metadata (`jaxinfer.gguf_metadata.gguf_metadata`).
+def config_from_gguf(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path: Path) -> ModelConfig:
+    """Build the `ModelConfig` from GGUF metadata (`GGUFFile.metadata`).
 
-    `tensors` (name -> `gguf.ReaderTensor`) decides tying (no `output.weight`), q/k/v biases,
+    `tensors` (name -> `GGUFTensor`) decides tying (no `output.weight`), q/k/v biases,
     Llama 3 RoPE scaling (`rope_freqs.weight`) and, as a last resort, the vocabulary size.
     """
     arch = meta.get("general.architecture")
@@ -212,7 +245,7 @@ def _vocab_size(meta, tensors, arch, path) -> int:
     if "tokenizer.ggml.tokens" in meta:
         return len(meta["tokenizer.ggml.tokens"])
     if "token_embd.weight" in tensors:
-        return int(tensors["token_embd.weight"].shape[-1])  # ggml order: [d_model, vocab]
+        return int(tensors["token_embd.weight"].shape[0])  # [vocab, d_model]
     raise CheckpointError(f"{path}: cannot tell the vocabulary size ({arch}.vocab_size, token list missing)")
 
 
@@ -224,16 +257,20 @@ def _gguf_tensor_name(name: str) -> str:
     return f"blk.{layer}.{_LAYER_TENSORS[field]}"
 
 
-def _dequantize(tensors: dict[str, Any], name: str, path: Path) -> np.ndarray:
+def _n_params(tensors: dict[str, GGUFTensor]) -> int:
+    """How many tensors `build_params` will ask for: all but extras such as `rope_freqs`."""
+    params = set(_GLOBAL_TENSORS.values())
+    return sum(name in params or name.startswith("blk.") for name in tensors)
+
+
+def _dequantize(tensors: dict[str, GGUFTensor], name: str, path: Path) -> np.ndarray:
     if name not in tensors:
         raise CheckpointError(f"{path}: missing tensor {name!r}")
     tensor = tensors[name]
     try:
-        return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return gguf.quants.dequantize(tensor.data, tensor.type)
     except NotImplementedError as error:
-        raise CheckpointError(
-            f"{path}: tensor {name!r} has unsupported type {tensor.tensor_type.name}"
-        ) from error
+        raise CheckpointError(f"{path}: tensor {name!r} has unsupported type {tensor.type.name}") from error
 
 
 def _f32(value: float) -> float:

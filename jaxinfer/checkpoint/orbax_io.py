@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.config import ModelConfig
@@ -68,6 +67,8 @@ def save_orbax(
     path = Path(path).absolute()
     _check_params_match(config, params)
     _prepare_dir(path, overwrite)
+    import orbax.checkpoint as ocp  # ~0.3 s to import: only saving and restoring pay it
+
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path / PARAMS_DIR, params)
     (path / CONFIG_FILE).write_text(config.to_json())
@@ -91,6 +92,8 @@ def load_orbax(
     if dtype is not None:
         config = config.replace(dtype=dtype)
     target = abstract_params(config, shardings=shardings)
+    import orbax.checkpoint as ocp
+
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(path / PARAMS_DIR, target)

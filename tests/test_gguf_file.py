@@ -1,4 +1,5 @@
-"""gguf_metadata: every GGUF value type decodes to the plain Python value that was written."""
+"""read_gguf: every GGUF value type decodes to the plain Python value that was written, and every
+tensor type to the bytes `gguf.GGUFReader` sees."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxinfer.gguf_metadata import gguf_metadata, open_gguf
+from jaxinfer.gguf_file import is_gguf_file, read_gguf
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def typed_gguf(tmp_path_factory) -> Path:
 
 
 def test_values_round_trip(typed_gguf: Path):
-    meta = gguf_metadata(typed_gguf)
+    meta = read_gguf(typed_gguf).metadata
     expected = {
         "general.architecture": "llama",
         "t.str": "héllo ✓ 😀",
@@ -69,23 +70,68 @@ def test_values_round_trip(typed_gguf: Path):
     assert not any(k.startswith("GGUF.") for k in meta)  # reader pseudo-fields are not metadata
 
 
-def test_key_filter_and_open_reader(typed_gguf: Path):
-    reader = gguf.GGUFReader(str(typed_gguf))
-    assert gguf_metadata(reader, keys=["t.u8", "t.strs", "missing"]) == {"t.u8": 255, "t.strs": ["a", "", "Ġthe", "<|im_end|>", "日本"]}
-
-
 def test_bad_files(tmp_path: Path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
-        open_gguf(tmp_path / "nope.gguf")
+        read_gguf(tmp_path / "nope.gguf")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF"):
-        gguf_metadata(bad)
+        read_gguf(bad)
+    assert not is_gguf_file(bad) and not is_gguf_file(tmp_path / "nope.gguf")
+
+
+@pytest.mark.parametrize("keep", [0, 7, 24, 100])
+def test_truncated_header_is_a_value_error(typed_gguf: Path, tmp_path: Path, keep: int):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(typed_gguf.read_bytes()[:keep])
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        read_gguf(cut)
+
+
+_QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def typed_tensors_gguf(tmp_path_factory) -> Path:
+    """One tensor per type, of random bytes (any bytes are a valid block), two rows of 512."""
+    path = tmp_path_factory.mktemp("tensors") / "tensors.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)  # not the default 32: the reader must honour general.alignment
+    for name in _QTYPES:
+        qtype = gguf.GGMLQuantizationType[name]
+        raw = rng.integers(0, 256, gguf.quants.quant_shape_to_byte_shape((2, 512), qtype), dtype=np.uint8)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_tensors_match_gguf_reader(typed_tensors_gguf: Path):
+    ours = read_gguf(typed_tensors_gguf).tensors
+    theirs = gguf.GGUFReader(str(typed_tensors_gguf)).tensors
+    assert sorted(ours) == sorted(_QTYPES)
+    for ref in theirs:
+        tensor = ours[ref.name]
+        assert tensor.type == ref.tensor_type and tensor.shape == (2, 512)
+        with np.errstate(all="ignore"):  # random scales may be inf or nan
+            want = gguf.quants.dequantize(ref.data, ref.tensor_type)
+            got = gguf.quants.dequantize(tensor.data, tensor.type)
+        assert got.shape == (2, 512) and np.array_equal(got, want, equal_nan=True), ref.name
+
+
+def test_truncated_tensor_data(typed_tensors_gguf: Path, tmp_path: Path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(typed_tensors_gguf.read_bytes()[:-100])  # the writer pads the last tensor to 64
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf(cut)
 
 
 @pytest.mark.slow
 def test_smollm2_metadata(smollm2_gguf: Path):
-    meta = gguf_metadata(smollm2_gguf)
+    meta = read_gguf(smollm2_gguf).metadata
     assert meta["general.architecture"] == "llama"
     assert (meta["llama.block_count"], meta["llama.embedding_length"], meta["llama.attention.head_count_kv"]) == (30, 576, 3)
     assert meta["llama.rope.freq_base"] == 100000.0
