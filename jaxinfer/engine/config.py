@@ -6,6 +6,7 @@ import dataclasses
 
 from jaxinfer.attention.dispatch import IMPLS
 from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.model.stacking import LAYER_LOOPS
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
 
 
@@ -40,6 +41,10 @@ class EngineConfig:
     # Speculative decoding (`SpeculativeConfig`: n-gram, self-speculation or a draft model);
     # None = one token per decoding slot per step.
     speculative: SpeculativeConfig | None = None
+    # How the step loops over layers: "unroll" (every layer in the program), "scan" (one
+    # `lax.scan` per run of alike layers: compile time and program size independent of depth)
+    # or "auto" (unroll on CPU, where unrolled layers decode faster; scan on GPU/TPU).
+    layer_loop: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -52,6 +57,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r} must be one of {IMPLS}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"EngineConfig.layer_loop={self.layer_loop!r} must be one of {LAYER_LOOPS}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"EngineConfig.scheduling={self.scheduling!r} must be 'continuous' or 'static'")
         if self.streaming is not None:
