@@ -129,6 +129,7 @@ def param_spec(name: str, config: ModelConfig, mesh: Mesh) -> P:
     """The `PartitionSpec` of the tensor `build_params` calls `name` ('embed', 'layers.3.wq', ...).
 
     Fields not in the table in this module's docstring (norms, MLA projections) are replicated.
+    A run of layers stacked [n, ...] ('layers.4:30.wq') keeps its layer axis whole.
     """
     field = name.rsplit(".", 1)[-1]
     if field in ("embed", "lm_head"):
@@ -178,7 +179,8 @@ def kv_shardings(kv: Any, mesh: Mesh) -> Any:
     Dense, int8 and fp8 pages (`[P, page, heads, ...]`, scales `[P, page, heads]`) also split
     their stored KV heads on `model` when they divide (a cache made with `kv_head_copies`
     always does). Other leaves (KIVI's per-slot tails) and the host-owned block tables and
-    lengths are replicated.
+    lengths are replicated. A stacked run's leaves (`jaxinfer.layer_stack`) keep their layer
+    axis whole, as do stacked weights (`param_spec` of 'layers.{a}:{b}.{field}').
     """
     data = mesh.shape["data"]
     if kv.num_pages % data:

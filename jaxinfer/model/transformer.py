@@ -4,6 +4,11 @@ A call evaluates one or more *token groups*. Each group is a padded [B, T] block
 each row appending to one cache slot: e.g. a decode group [max_slots, 1] plus a prefill
 group [P, prefill_chunk]. Dense layers run over all groups' tokens at once (one matmul per
 weight); attention runs per group, through that group's rows of the block table.
+
+The layers run as the params and cache are laid out (`jaxinfer.layer_stack`): a tuple of
+per-layer pytrees is unrolled into the program; runs of alike layers stacked along a leading
+axis run as one `lax.scan` each, so the program stops growing with depth (on XLA:CPU the
+unrolled program decodes faster, elsewhere the scan compiles far faster: `jaxinfer.model.stacking`).
 """
 
 from __future__ import annotations
@@ -146,6 +151,8 @@ def forward_groups(
     attention: the jnp reference, the Pallas kernels, or "auto" (`jaxinfer.attention.dispatch`).
     `mesh`: the ("data", "model") mesh the params and pages are sharded on (`jaxinfer.sharding`);
     the paged writes and attention then run per device, each on its own pages.
+    `params.layers` and `kv.layers` must share a layout: both per layer, or both stacked in
+    the same runs (`jaxinfer.model.stacking`); each run is one `lax.scan`.
     """
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_dim
