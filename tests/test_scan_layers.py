@@ -159,3 +159,32 @@ def test_engine_scan_equals_unroll(options):
         assert stacked == (loop == "scan") and layer_stack.is_stacked(engine.kv.layers) == stacked
     assert out["scan"] == out["unroll"]
     assert not layer_stack.is_stacked(model.params.layers)  # the caller's model is left as it was
+
+
+def test_build_params_stacks_runs_and_orbax_stores_per_layer(tmp_path):
+    from jaxinfer.checkpoint.orbax_io import load_orbax, save_orbax
+
+    config = tiny_config(n_layers=4)
+    unrolled = init_random_params(config, seed=3)
+    stacked = init_random_params(config, seed=3, layer_runs=(1, 3))
+    assert layer_stack.run_lengths(stacked.layers) == (1, 3)
+    for a, b in zip(jax.tree.leaves(with_layer_runs(stacked, None)), jax.tree.leaves(unrolled)):
+        np.testing.assert_array_equal(a, b)
+    save_orbax(config, stacked, tmp_path / "ckpt")
+    _, restored = load_orbax(tmp_path / "ckpt")
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(unrolled)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stacked_shardings_keep_the_layer_axis_whole():
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer import sharding
+
+    config = tiny_config(n_layers=3)
+    mesh = sharding.make_mesh("data=1,model=1")
+    shardings = sharding.param_shardings(init_random_params(config, layer_runs=(3,)), config, mesh)
+    assert shardings.layers[0].stacked.wq.spec == P(None, "model", None)
+    kv = init_paged_kv(config, KVCacheSpec.for_batch(1, 8, page_size=4), kv_cache="int8", layer_runs=(3,))
+    kv_sh = sharding.kv_shardings(kv, mesh)
+    assert kv_sh.layers[0].stacked.k_scale.spec == P(None, "data", None, "model")
