@@ -155,12 +155,12 @@ def build_params(config: ModelConfig, get, *, dtype=None, place=None, layer_runs
         bounds = np.cumsum((0, *layer_runs))
         if bounds[-1] != config.n_layers:
             raise ValueError(f"layer_runs={tuple(layer_runs)} do not cover the {config.n_layers} layers")
-        layers = tuple(
-            layer_stack.LayerStack(cls(**{
-                f: put(f"layers.{a}:{b}.{f}", np.stack([read(f"layers.{i}.{f}", s).astype(dtype) for i in range(a, b)]))
-                for f, s in layer_shapes.items()}))
-            for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())
-        )
+        def run(a: int, b: int) -> layer_stack.LayerStack:  # read layer by layer (the order `get` sees is layout-free)
+            tensors = [{f: read(f"layers.{i}.{f}", s).astype(dtype) for f, s in layer_shapes.items()} for i in range(a, b)]
+            return layer_stack.LayerStack(cls(**{f: put(f"layers.{a}:{b}.{f}", np.stack([t[f] for t in tensors]))
+                                                 for f in layer_shapes}))
+
+        layers = tuple(run(a, b) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()))
     vd = (config.vocab_size, config.d_model)
     return ModelParams(
         embed=fetch("embed", vd),
