@@ -40,6 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.layer_cache import stored_kv_heads
 from jaxinfer.kv.mesh_layout import kv_head_copies, kv_heads_axis, page_spec  # noqa: F401 (re-exported)
@@ -128,11 +129,13 @@ def param_spec(name: str, config: ModelConfig, mesh: Mesh) -> P:
     """The `PartitionSpec` of the tensor `build_params` calls `name` ('embed', 'layers.3.wq', ...).
 
     Fields not in the table in this module's docstring (norms, MLA projections) are replicated.
+    A run of layers stacked [n, ...] ('layers.4:30.wq') keeps its layer axis whole.
     """
     field = name.rsplit(".", 1)[-1]
     if field in ("embed", "lm_head"):
         return P("model", None) if config.vocab_size % mesh.shape["model"] == 0 else P()
-    return _layer_specs(config, mesh).get(field, P())
+    spec = _layer_specs(config, mesh).get(field, P())
+    return P(None, *spec) if ":" in name else spec  # 'layers.4:30.wq': a run of layers stacked [n, ...]
 
 
 def param_shardings(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
@@ -143,15 +146,16 @@ def param_shardings(params: Any, config: ModelConfig, mesh: Mesh) -> Any:
     """
     check_mesh(mesh, config)
 
-    def layer(i, lp):
+    def layer(lp, stacked: bool):
+        name = "layers.0:1." if stacked else "layers.0."  # a stacked run's leaves gain a leading axis
         return type(lp)(**{
-            f: None if getattr(lp, f) is None else NamedSharding(mesh, param_spec(f"layers.{i}.{f}", config, mesh))
+            f: None if getattr(lp, f) is None else NamedSharding(mesh, param_spec(name + f, config, mesh))
             for f in lp.__dataclass_fields__
         })
 
     return type(params)(
         embed=NamedSharding(mesh, param_spec("embed", config, mesh)),
-        layers=tuple(layer(i, lp) for i, lp in enumerate(params.layers)),
+        layers=layer_stack.map_layers(layer, params.layers),
         final_norm=NamedSharding(mesh, P()),
         lm_head=None if params.lm_head is None else NamedSharding(mesh, param_spec("lm_head", config, mesh)),
     )
@@ -175,19 +179,22 @@ def kv_shardings(kv: Any, mesh: Mesh) -> Any:
     Dense, int8 and fp8 pages (`[P, page, heads, ...]`, scales `[P, page, heads]`) also split
     their stored KV heads on `model` when they divide (a cache made with `kv_head_copies`
     always does). Other leaves (KIVI's per-slot tails) and the host-owned block tables and
-    lengths are replicated.
+    lengths are replicated. A stacked run's leaves (`jaxinfer.layer_stack`) keep their layer
+    axis whole, as do stacked weights (`param_spec` of 'layers.{a}:{b}.{field}').
     """
     data = mesh.shape["data"]
     if kv.num_pages % data:
         raise ValueError(f"a pool of {kv.num_pages} pages does not divide over the mesh's data={data} axis")
 
-    def layer(layer_kv) -> Any:
+    def layer(layer_kv, stacked: bool) -> Any:
+        lead = (None,) * stacked  # a stacked run's leaves are [n, ...]
         if layer_kv.splits_over_mesh:
-            pages = NamedSharding(mesh, page_spec(stored_kv_heads(layer_kv), mesh))
+            pages = NamedSharding(mesh, P(*lead, *page_spec(stored_kv_heads(layer_kv), mesh)))
             return jax.tree.map(lambda a: pages, layer_kv)
-        return jax.tree.map(lambda a: NamedSharding(mesh, P("data") if a.shape[0] == kv.num_pages else P()), layer_kv)
+        return jax.tree.map(lambda a: NamedSharding(mesh, P(*lead, "data") if a.shape[stacked] == kv.num_pages else P()),
+                            layer_kv)
 
-    return dataclasses.replace(kv, layers=tuple(layer(lk) for lk in kv.layers),
+    return dataclasses.replace(kv, layers=layer_stack.map_layers(layer, kv.layers),
                                block_tables=replicated(mesh), lengths=replicated(mesh))
 
 

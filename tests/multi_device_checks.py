@@ -124,6 +124,7 @@ def check_meshes() -> dict:
                          for fmt in ("int8", "int4")}
     out["speculative"] = {name: engine_tokens(model, mesh, speculative=sc) for name, sc in speculative_sources().items()}
     out["variants"] = check_variants()
+    out["scan"] = check_scan(model, mesh)
     out["orbax"] = check_orbax_restore(model)
     from tiny_models import tiny_model
 
@@ -183,6 +184,15 @@ def check_variants() -> dict:
         m = Model(config, init_random_params(config, seed=0, scale=0.3), None)
         out[name] = {"ref": engine_tokens(m, None, **options), "mesh": engine_tokens(m, sharding.make_mesh(spec), **options)}
     return out
+
+
+def check_scan(model: Model, mesh) -> dict:
+    """Layers under `lax.scan` (stacked params and pages, a leading layer axis kept whole) on
+    data=2,model=4: plain, int8 and int4 pages, self-speculation (a run ends at its layers)."""
+    cases = {"plain": {}, "int8": {"kv_cache": "int8"}, "int4": {"kv_cache": "int4"},
+             "self": {"speculative": speculative_sources()["self"]}}
+    return {name: {"ref": engine_tokens(model, None, **options),
+                   "mesh": engine_tokens(model, mesh, layer_loop="scan", **options)} for name, options in cases.items()}
 
 
 def check_pool_layout(model: Model) -> dict:

@@ -113,6 +113,11 @@ def test_attention_variants_on_a_mesh_equal_one_device(meshes, variant):
     assert meshes["variants"][variant]["mesh"] == meshes["variants"][variant]["ref"]
 
 
+@pytest.mark.parametrize("case", ["plain", "int8", "int4", "self"])
+def test_scanned_layers_on_a_mesh_equal_one_device(meshes, case):
+    assert meshes["scan"][case]["mesh"] == meshes["scan"][case]["ref"]
+
+
 def test_orbax_restores_straight_into_shardings(meshes):
     o = meshes["orbax"]
     assert o["equal"]

@@ -30,7 +30,7 @@ import jax
 from jaxinfer.attention.reference import (mla_attention_reference, paged_attention_reference,
                                           streaming_attention_reference)
 from jaxinfer.kv.latent import LatentKV
-from jaxinfer.kv.layer_cache import LayerCache
+from jaxinfer.kv.layer_cache import LayerCache, own_layer
 from jaxinfer.kv.streaming import StreamingSpec
 
 IMPLS = ("auto", "reference", "pallas", "pallas_gpu", "pallas_tpu")
@@ -53,6 +53,8 @@ def paged_attention(
     impl: str = "auto",
 ) -> jax.Array:
     """Causal GQA attention through block tables -> [B, T, Hq, Dh] (dtype of q), by `impl`."""
+    if impl != "reference":  # the kernels read a layer's own leaves: a view into a run pays a copy
+        layer_kv = own_layer(layer_kv)
     target, interpret = resolve_impl(impl, q, layer_kv)
     if target is None:
         return paged_attention_reference(q, layer_kv, block_tables, kv_lengths, query_index, scale, window=window,

@@ -60,9 +60,10 @@ def sharded_write_and_attend(mesh, layer_kv: LayerCache, qs: list[jax.Array], ks
     data = mesh.shape["data"]
     spec = page_spec(ks[0].shape[2], mesh)  # [P, page, heads, ...]: pages on data, stored heads on model
     heads = spec[2]
-    pages_per_replica = jax.tree.leaves(layer_kv)[0].shape[0] // data
+    lead = () if layer_kv.layer is None else (None,)  # a view into a run: leaves [L, P, ...], `layer` i32[]
+    pages_per_replica = jax.tree.leaves(layer_kv)[0].shape[len(lead)] // data
     slots_per_replica = max_slots // data
-    kv_spec = jax.tree.map(lambda a: spec, layer_kv)
+    kv_spec = jax.tree.map(lambda a: P(*lead, *spec) if a.ndim else P(), layer_kv)
     rows = ["data" if s else None for s in by_replica]
     row_spec = lambda r, tree: jax.tree.map(lambda a: P(r, *[None] * (a.ndim - 1)), tree)  # noqa: E731
     head_spec = [P(r, None, heads, None) for r in rows]

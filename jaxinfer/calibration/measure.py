@@ -44,8 +44,10 @@ from jaxinfer.kv import formats as F
 from jaxinfer.kv.layer_cache import one_shot_round_trip
 from jaxinfer.kv.pages import KVCacheSpec, block_table_array, gather_pages, scatter_tokens
 from jaxinfer.kv.paged_state import PagedKVState, init_paged_kv, write_indices
+from jaxinfer.layer_stack import unstack
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
 from jaxinfer.model.params import ModelParams
+from jaxinfer.model.stacking import with_layer_runs
 from jaxinfer.model.transformer import TokenGroup, attention_block, forward_groups, lm_head
 
 # ---- calibration text -----------------------------------------------------------------------
@@ -135,17 +137,18 @@ def capture_attention_inputs(params: ModelParams, config: ModelConfig, tokens: j
     idxs = [write_indices(kv, group.slots, group.num_new, t)]
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     x = params.embed[tokens].reshape(n * t, -1).astype(config.jnp_dtype)
-    qs, hs = [], []
-    for i, layer in enumerate(params.layers):
+    qs, hs, caches = [], [], []
+    for i, (layer, layer_kv) in enumerate(zip(unstack(params.layers), kv.layers)):
         xn = rms_norm(x, layer.attn_norm, config.rms_eps)
         q = linear(xn, layer.wq, layer.bq).reshape(n, t, config.n_heads, config.head_dim)
         qs.append(apply_rope(q, positions, inv_freq))
-        h, kv = attention_block(config, layer, i, xn, (group,), idxs, inv_freq, kv)
+        h, layer_kv = attention_block(config, layer, layer_kv, xn, (group,), idxs, inv_freq, window=config.window(i))
         hs.append(h)
+        caches.append(layer_kv)
         x = x + h
         x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
     logits = lm_head(params, rms_norm(x, params.final_norm, config.rms_eps)).reshape(n, t, -1)
-    kvs = [layer.gather(kv.block_tables) for layer in kv.layers]
+    kvs = [layer.gather(kv.block_tables) for layer in caches]
     f32 = lambda xs: jnp.stack(xs).astype(jnp.float32)
     return f32(qs), f32([k[:, :t] for k, _ in kvs]), f32([v[:, :t] for _, v in kvs]), f32(hs), logits
 
@@ -250,7 +253,7 @@ def _probe_stats(params: ModelParams, config: ModelConfig, tokens: jax.Array, mo
                                  for i, layer in enumerate(kv.layers)))
     group = TokenGroup(tokens, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t)),
                        jnp.arange(r, dtype=jnp.int32), jnp.full((r,), t, jnp.int32))
-    (logits,), _ = forward_groups(params, config, kv, (group,))
+    (logits,), _ = forward_groups(with_layer_runs(params, None), config, kv, (group,))
     return logprob_stats(logits, logits[:1], tokens)
 
 
@@ -360,7 +363,7 @@ def _check_capture(logits, tokens, ref_nll: float) -> None:
 
 def _check_attention(params, layer, out, h) -> None:
     """Attention recomputed from the captured q, k, v must give the attention block's output."""
-    wo = params.layers[layer].wo
+    wo = unstack(params.layers)[layer].wo
     got = linear(out.reshape(h.shape[0], -1), wo)
     err = float(jnp.max(jnp.abs(got - h)))
     if not err <= 1e-3 * max(1.0, float(jnp.max(jnp.abs(h)))):
@@ -376,7 +379,7 @@ def _prefill_logits(params: ModelParams, config: ModelConfig, tokens: jax.Array,
     n, t = tokens.shape
     group = TokenGroup(tokens, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t)),
                        jnp.arange(n, dtype=jnp.int32), jnp.full((n,), t, jnp.int32))
-    (logits,), _ = forward_groups(params, config, kv, (group,))
+    (logits,), _ = forward_groups(with_layer_runs(params, None), config, kv, (group,))
     return logits
 
 

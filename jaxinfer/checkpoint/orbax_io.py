@@ -24,6 +24,7 @@ import jax
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.params import ModelParams, expected_shapes, layer_class
+from jaxinfer.model.stacking import with_layer_runs
 from jaxinfer.tokenizer import Tokenizer
 
 MARKER_FILE = "jaxinfer_checkpoint.json"
@@ -62,9 +63,11 @@ def save_orbax(
     `tokenizer` is a `.gguf` file (its tokenizer is rebuilt and written as `tokenizer.json`
     and friends), an HF directory (its tokenizer files are copied) or a `Tokenizer`.
     `path` must not exist or be empty, unless `overwrite` and it holds a jaxinfer
-    checkpoint. Returns the absolute path.
+    checkpoint. Returns the absolute path. Stacked layers (`jaxinfer.layer_stack`) are stored
+    per layer, so a checkpoint does not depend on the layout it was saved from.
     """
     path = Path(path).absolute()
+    params = with_layer_runs(params, None)
     _check_params_match(config, params)
     _prepare_dir(path, overwrite)
     import orbax.checkpoint as ocp  # ~0.3 s to import: only saving and restoring pay it

@@ -7,6 +7,7 @@ import os
 
 from jaxinfer.attention.dispatch import IMPLS
 from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.model.stacking import LAYER_LOOPS
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
 
 
@@ -45,6 +46,10 @@ class EngineConfig:
     # $JAXINFER_CACHE/xla (off when the environment sets JAXINFER_COMPILATION_CACHE=0),
     # a directory, or False. Process-wide: a cache directory already given to jax is kept.
     compilation_cache: bool | str | os.PathLike = True
+    # How the step loops over layers: "unroll" (every layer in the program), "scan" (one
+    # `lax.scan` per run of alike layers: compile time and program size independent of depth)
+    # or "auto" (unroll on CPU, where unrolled layers decode faster; scan on GPU/TPU).
+    layer_loop: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
@@ -57,6 +62,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r} must be one of {IMPLS}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"EngineConfig.layer_loop={self.layer_loop!r} must be one of {LAYER_LOOPS}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"EngineConfig.scheduling={self.scheduling!r} must be 'continuous' or 'static'")
         if self.streaming is not None:

@@ -37,7 +37,9 @@ from jaxinfer.kv.kivi import KiviLayerKV
 from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.layer_stack import entry_pytrees
 from jaxinfer.loading import Model
+from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, with_layer_runs
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.speculative.checkpoint import load_trained_draft
@@ -81,8 +83,13 @@ class Engine:
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
         self.compilation_cache = use_persistent_cache(config.compilation_cache)
+        sc = config.speculative  # scanned: params and cache stacked in runs; a self-draft's layers end one
+        runs = (layer_runs(mc, config.kv_cache, (sc.self_layers,) if sc and sc.method == "self" else ())
+                if resolve_layer_loop(config.layer_loop) == "scan" else None)
+        self.model = model = dataclasses.replace(model, params=with_layer_runs(model.params, runs))
         self.kv = self._commit(init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
-                                             kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh)))
+                                             kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh),
+                                             layer_runs=runs))
         self._step, self._spec_step = engine_step, speculative_step
         self._compiles = CompileCounter()  # `compiled_programs`: this engine's programs only
         self._compiler: BackgroundCompiler | None = None  # `start_warmup`
@@ -131,7 +138,7 @@ class Engine:
                 self.draft_widths = [w for w in (1, 2, 4, 8) if w < sc.num_speculative] + self.draft_widths
         if sc is None:
             return
-        if any(isinstance(layer, KiviLayerKV) for layer in self.kv.layers):
+        if any(isinstance(layer, KiviLayerKV) for layer in entry_pytrees(self.kv.layers)):
             raise ValueError("speculative decoding overwrites rejected tokens' K/V, which KIVI cache formats (int4, int2) "
                              "cannot: they quantize a page as soon as it fills. Use 'auto', int8 or fp8 with speculation")
         if sc.method == "ngram":

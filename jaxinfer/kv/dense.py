@@ -17,12 +17,13 @@ class LayerKV:
 
     k: jax.Array  # [num_pages, page_size, n_kv_heads, head_dim]
     v: jax.Array  # [num_pages, page_size, n_kv_heads, head_dim]
+    layer: jax.Array | None = None  # i32[]: on a view into a run, k and v are [L, ...]: this layer's
 
     splits_over_mesh: ClassVar[bool] = True
 
     def write(self, k: jax.Array, v: jax.Array, idx: WriteIndices) -> LayerKV:
         """Scatter this step's k, v: [B, T, Hkv, Dh] to the slots named by `idx`."""
-        return LayerKV(k=scatter_tokens(self.k, k, idx), v=scatter_tokens(self.v, v, idx))
+        return self.replace(k=scatter_tokens(self.k, k, idx, self.layer), v=scatter_tokens(self.v, v, idx, self.layer))
 
     def gather(self, block_tables: jax.Array, lengths: jax.Array | None = None,
                slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -31,8 +32,8 @@ class LayerKV:
         `lengths` (i32[B]) and `slots` (i32[B]) are unused here; formats that keep the page
         being filled outside the pool (`jaxinfer.kv.kivi.KiviLayerKV`) need them.
         """
-        return gather_pages(self.k, block_tables), gather_pages(self.v, block_tables)
+        return gather_pages(self.k, block_tables, self.layer), gather_pages(self.v, block_tables, self.layer)
 
     def bytes_per_token(self) -> float:
         """K and V of one token, all heads."""
-        return 2 * self.k.shape[2] * self.k.shape[3] * jnp.dtype(self.k.dtype).itemsize
+        return 2 * self.k.shape[-2] * self.k.shape[-1] * jnp.dtype(self.k.dtype).itemsize

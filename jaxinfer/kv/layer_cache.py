@@ -12,6 +12,12 @@ references and the kernels never ask which format they hold::
 `bytes_per_token()` is what one cached token costs in the pool, and `splits_over_mesh` says
 whether every leaf is `[num_pages, page_size, heads, ...]`, so the paged writes and attention
 can run per device on a mesh (`jaxinfer.attention.mesh`); others are left to GSPMD.
+
+Stacked runs (`jaxinfer.layer_stack`): a run of alike layers is one cache of the format whose
+every leaf has a leading `[n]` layer axis. The forward's `lax.scan` over the run sees a *view*
+of it: the stacked leaves with `layer` (i32[]) set, and `write` / `gather` index that layer
+of the stacked arrays, so a write scatters into the run's pool in place (slicing the layer out
+and putting it back would copy a layer's pages per layer and step).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class LayerCache(Protocol):
     """One layer's paged cache in some storage format (see the module docstring)."""
 
     splits_over_mesh: ClassVar[bool]
+    layer: jax.Array | None  # i32[]: set on a view into a stacked run (leaves [n, ...]), else None
 
     def write(self, k: jax.Array, v: jax.Array, idx: WriteIndices) -> LayerCache:
         """This step's tokens [B, T, ...] stored at `idx`; returns the new layer cache."""
@@ -50,8 +57,16 @@ class LayerCache(Protocol):
 
 def stored_kv_heads(layer_kv: LayerCache) -> int:
     """KV heads a layer's pages hold (`n_kv_heads` times `kv_head_copies`): every per-head
-    format's first leaf is `[num_pages, page_size, heads, ...]`."""
-    return jax.tree.leaves(layer_kv)[0].shape[2]
+    format's first leaf is `[(L,) num_pages, page_size, heads, x]`."""
+    return jax.tree.leaves(layer_kv)[0].shape[-2]
+
+
+def own_layer(layer_kv: LayerCache) -> LayerCache:
+    """A view's layer as a cache of its own (a copy of its pages), for code that reads the
+    leaves themselves (the Pallas kernels); any other cache as it is."""
+    if layer_kv.layer is None:
+        return layer_kv
+    return jax.tree.map(lambda a: a[layer_kv.layer], layer_kv.replace(layer=None))
 
 
 def make_layer_kv(name: str, spec: KVCacheSpec, n_kv_heads: int, head_dim: int, dtype,

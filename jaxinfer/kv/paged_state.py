@@ -1,7 +1,8 @@
 """The paged KV cache of a whole model as an immutable, fixed-shape pytree.
 
 `PagedKVState` holds one layer cache per model layer (any format of
-`jaxinfer.kv.layer_cache`), the block tables and the lengths; page addressing is in
+`jaxinfer.kv.layer_cache`), or one per run of alike layers stacked along a leading layer axis
+(`jaxinfer.layer_stack`), the block tables and the lengths; page addressing is in
 `jaxinfer.kv.pages` (diagram there). `write_indices` places a step's tokens: after each
 slot's cached tokens, or into a StreamingLLM ring (`jaxinfer.kv.streaming`).
 """
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.dense import LayerKV
 from jaxinfer.kv.formats import get_format
@@ -29,7 +31,7 @@ __all__ = ["NULL_PAGE", "KVCacheSpec", "LayerKV", "PagedKVState", "WriteIndices"
 
 @struct.dataclass
 class PagedKVState:
-    layers: tuple[LayerCache, ...]  # one per model layer
+    layers: tuple[LayerCache, ...] | tuple[layer_stack.LayerStack, ...]  # per layer, or per run of layers
     block_tables: jax.Array  # i32[max_slots, max_pages_per_seq]
     lengths: jax.Array  # i32[max_slots]: tokens already cached per slot
     # Static: None = logical block tables; a StreamingSpec = each slot is a bounded
@@ -38,11 +40,17 @@ class PagedKVState:
 
     @property
     def num_pages(self) -> int:
-        return jax.tree.leaves(self.layers[0])[0].shape[0]
+        return self._first_leaf_shape[0]
 
     @property
     def page_size(self) -> int:
-        return jax.tree.leaves(self.layers[0])[0].shape[1]
+        return self._first_leaf_shape[1]
+
+    @property
+    def _first_leaf_shape(self) -> tuple[int, ...]:
+        """[num_pages, page_size, ...] (a run's leaves have a leading layer axis)."""
+        first = self.layers[0]
+        return jax.tree.leaves(first)[0].shape[isinstance(first, layer_stack.LayerStack):]
 
     @property
     def max_slots(self) -> int:
@@ -55,7 +63,7 @@ class PagedKVState:
 
 def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
                   streaming: StreamingSpec | None = None, kv_cache: KVCacheArg = "auto",
-                  kv_head_copies: int = 1) -> PagedKVState:
+                  kv_head_copies: int = 1, layer_runs: tuple[int, ...] | None = None) -> PagedKVState:
     """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0.
 
     MLA models (`config.mla`) get `LatentKV` layers. `streaming` makes every slot a
@@ -68,6 +76,10 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
     in the formats that split over a mesh's `model` axis (full precision, int8, fp8), so
     a `model` axis with more devices than KV heads still gives each device heads of its own
     (`jaxinfer.sharding.kv_head_copies`); the forward repeats K/V to match (`stored_kv_heads`).
+
+    `layer_runs` (lengths summing to `n_layers`): the stacked layout, one cache per run with a
+    leading layer axis (`jaxinfer.layer_stack`; the runs must hold alike layers), allocated
+    stacked rather than stacked after the fact, which would briefly hold the pool twice.
     """
     if not isinstance(kv_head_copies, int) or kv_head_copies < 1:
         raise ValueError(f"kv_head_copies={kv_head_copies!r} must be a positive integer")
@@ -76,6 +88,11 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
     if config.q_per_kv % kv_head_copies:
         raise ValueError(f"kv_head_copies={kv_head_copies} must divide the query heads per KV head "
                          f"({config.n_heads} / {config.n_kv_heads} = {config.q_per_kv}), or queries would read the wrong copy")
+    if layer_runs is not None:
+        def stacked() -> PagedKVState:  # under jit: the unrolled zeros are never materialized
+            kv = init_paged_kv(config, spec, dtype, streaming, kv_cache, kv_head_copies)
+            return kv.replace(layers=layer_stack.stack(kv.layers, layer_runs))
+        return jax.jit(stacked)()
     dtype = jnp.dtype(dtype or config.dtype)
     if kv_cache != "auto" and (config.mla is not None or streaming is not None):
         _check_kv_cache_with(kv_cache, config, streaming)

@@ -79,13 +79,21 @@ def block_table_array(pages_per_slot: list[list[int]], max_pages_per_seq: int) -
     return table
 
 
-def scatter_tokens(pages: jax.Array, new: jax.Array, idx: WriteIndices) -> jax.Array:
-    """Scatter new: [B, T, ...] into pages: [P, page_size, ...] (padding is dropped)."""
-    return pages.at[idx.page_ids, idx.offsets].set(new.astype(pages.dtype), mode="drop")
+def at_layer(layer: jax.Array | None, *index) -> tuple:
+    """An index into a cache leaf: `index`, or `(layer, *index)` into a leaf stacked over
+    layers ([L, ...]: a layer cache viewed at one layer of its run, see `LayerCache`)."""
+    return index if layer is None else (layer, *index)
 
 
-def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """pages: [P, page_size, ...], block_tables: i32[B, n] -> [B, n * page_size, ...]."""
-    gathered = pages[block_tables]  # [B, n, page_size, ...]
+def scatter_tokens(pages: jax.Array, new: jax.Array, idx: WriteIndices, layer: jax.Array | None = None) -> jax.Array:
+    """Scatter new: [B, T, ...] into pages: [P, page_size, ...] (padding is dropped), or
+    into layer `layer` of stacked pages [L, P, page_size, ...] (in place: no copy of the rest)."""
+    return pages.at[at_layer(layer, idx.page_ids, idx.offsets)].set(new.astype(pages.dtype), mode="drop")
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """pages: [P, page_size, ...] (or [L, P, page_size, ...] read at `layer`), block_tables:
+    i32[B, n] -> [B, n * page_size, ...]."""
+    gathered = pages[at_layer(layer, block_tables)]  # [B, n, page_size, ...]
     b, n, s = gathered.shape[:3]
     return gathered.reshape(b, n * s, *gathered.shape[3:])

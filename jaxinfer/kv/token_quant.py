@@ -25,6 +25,7 @@ class TokenQuantLayerKV:
     v_scale: jax.Array  # bf16[num_pages, page_size, n_kv_heads]
     format: str = struct.field(pytree_node=False)  # "int8" | "fp8_e4m3" | "fp8_e5m2"
     dtype: str = struct.field(pytree_node=False)  # dtype `gather` returns
+    layer: jax.Array | None = None  # i32[]: on a view into a run, leaves are [L, ...]: this layer's
 
     splits_over_mesh: ClassVar[bool] = True
 
@@ -42,18 +43,16 @@ class TokenQuantLayerKV:
         """Quantize this step's k, v: [B, T, Hkv, Dh] and scatter codes and scales to `idx`."""
         kq, ks = self._quantize(k)
         vq, vs = self._quantize(v)
-        return self.replace(
-            k_q=scatter_tokens(self.k_q, kq, idx), v_q=scatter_tokens(self.v_q, vq, idx),
-            k_scale=scatter_tokens(self.k_scale, ks, idx), v_scale=scatter_tokens(self.v_scale, vs, idx),
-        )
+        put = lambda pages, new: scatter_tokens(pages, new, idx, self.layer)  # noqa: E731
+        return self.replace(k_q=put(self.k_q, kq), v_q=put(self.v_q, vq), k_scale=put(self.k_scale, ks), v_scale=put(self.v_scale, vs))
 
     def gather(self, block_tables: jax.Array, lengths: jax.Array | None = None,
                slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """Dequantized pages of each sequence in logical order: two [B, n * page_size, Hkv, Dh]."""
-        return (self._dequantize(gather_pages(self.k_q, block_tables), gather_pages(self.k_scale, block_tables)),
-                self._dequantize(gather_pages(self.v_q, block_tables), gather_pages(self.v_scale, block_tables)))
+        g = lambda pages: gather_pages(pages, block_tables, self.layer)  # noqa: E731
+        return self._dequantize(g(self.k_q), g(self.k_scale)), self._dequantize(g(self.v_q), g(self.v_scale))
 
     def bytes_per_token(self) -> float:
         """Codes and scales of one token, K and V, all heads."""
-        _, page_size, heads, head_dim = self.k_q.shape
+        page_size, heads, head_dim = self.k_q.shape[-3:]
         return F.get_format(self.format).bytes_per_token(heads, head_dim, page_size)

@@ -3,8 +3,8 @@
 Linear weights are stored `[out_features, in_features]` (the HF/GGUF row layout); the
 forward multiplies `x @ w.T`. On XLA:CPU this [N, K] layout is the faster one for the
 49152-wide LM head, and it means loaders copy tensors without transposing.
-Layers are a tuple (not a stacked array) because the forward unrolls them: on XLA:CPU
-unrolled layers beat `lax.scan`.
+Layers are a tuple with one pytree per layer, or (the stacked layout, `jaxinfer.layer_stack`)
+one per run of alike layers with a leading layer axis, which the forward scans over.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
 
 
@@ -65,7 +66,7 @@ def layer_class(config: ModelConfig) -> type:
 @struct.dataclass
 class ModelParams:
     embed: jax.Array  # [vocab_size, d_model]
-    layers: tuple[LayerParams | MLALayerParams, ...]
+    layers: tuple[LayerParams | MLALayerParams, ...] | tuple[layer_stack.LayerStack, ...]  # per layer, or per run
     final_norm: jax.Array  # [d_model]
     lm_head: jax.Array | None = None  # [vocab_size, d_model]; None when tied to `embed`
 
@@ -114,7 +115,8 @@ def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
                      "wq_b": (h * m.qk_head_dim, m.q_lora_rank)}
 
 
-def build_params(config: ModelConfig, get, *, dtype=None, place=None) -> ModelParams:
+def build_params(config: ModelConfig, get, *, dtype=None, place=None, layer_runs: tuple[int, ...] | None = None
+                 ) -> ModelParams:
     """Assemble `ModelParams` from a lookup `get(name, shape) -> np.ndarray`.
 
     Names are `embed`, `final_norm`, `lm_head` and `layers.{i}.{field}`. Every loader
@@ -122,23 +124,43 @@ def build_params(config: ModelConfig, get, *, dtype=None, place=None) -> ModelPa
     a mismatch raises `ValueError` naming the tensor. `place(config, name, array)` puts
     each tensor where it belongs as soon as it is read (e.g. straight into its shards on
     a mesh: `jaxinfer.sharding.placer`); default: the default device.
+
+    `layer_runs`: build the stacked layout (`jaxinfer.model.stacking.layer_runs`), each run's
+    tensors stacked on the host and placed once as `layers.{first}:{stop}.{field}` [n, ...].
     """
     dtype = jnp.dtype(dtype or config.dtype)
 
-    def fetch(name: str, shape: tuple[int, ...]) -> jax.Array:
+    def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
         array = np.asarray(get(name, shape))
         if array.shape != shape:
             raise ValueError(f"tensor {name!r} has shape {array.shape}, expected {shape}")
+        return array
+
+    def put(name: str, array: np.ndarray) -> jax.Array:
         if place is not None:
             return place(config, name, array.astype(dtype))
         return jnp.asarray(array, dtype=dtype)
 
+    def fetch(name: str, shape: tuple[int, ...]) -> jax.Array:
+        return put(name, read(name, shape))
+
     layer_shapes = expected_shapes(config)
     cls = layer_class(config)
-    layers = tuple(
-        cls(**{f: fetch(f"layers.{i}.{f}", s) for f, s in layer_shapes.items()})
-        for i in range(config.n_layers)
-    )
+    if layer_runs is None:
+        layers = tuple(
+            cls(**{f: fetch(f"layers.{i}.{f}", s) for f, s in layer_shapes.items()})
+            for i in range(config.n_layers)
+        )
+    else:
+        bounds = np.cumsum((0, *layer_runs))
+        if bounds[-1] != config.n_layers:
+            raise ValueError(f"layer_runs={tuple(layer_runs)} do not cover the {config.n_layers} layers")
+        def run(a: int, b: int) -> layer_stack.LayerStack:  # read layer by layer (the order `get` sees is layout-free)
+            tensors = [{f: read(f"layers.{i}.{f}", s).astype(dtype) for f, s in layer_shapes.items()} for i in range(a, b)]
+            return layer_stack.LayerStack(cls(**{f: put(f"layers.{a}:{b}.{f}", np.stack([t[f] for t in tensors]))
+                                                 for f in layer_shapes}))
+
+        layers = tuple(run(a, b) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()))
     vd = (config.vocab_size, config.d_model)
     return ModelParams(
         embed=fetch("embed", vd),
@@ -148,7 +170,8 @@ def build_params(config: ModelConfig, get, *, dtype=None, place=None) -> ModelPa
     )
 
 
-def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> ModelParams:
+def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02,
+                       layer_runs: tuple[int, ...] | None = None) -> ModelParams:
     """Random weights for tests and examples (norm weights near one)."""
     rng = np.random.default_rng(seed)
 
@@ -157,4 +180,4 @@ def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02) 
             return 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
         return scale * rng.standard_normal(shape, dtype=np.float32)
 
-    return build_params(config, get)
+    return build_params(config, get, layer_runs=layer_runs)

@@ -4,6 +4,11 @@ A call evaluates one or more *token groups*. Each group is a padded [B, T] block
 each row appending to one cache slot: e.g. a decode group [max_slots, 1] plus a prefill
 group [P, prefill_chunk]. Dense layers run over all groups' tokens at once (one matmul per
 weight); attention runs per group, through that group's rows of the block table.
+
+The layers run as the params and cache are laid out (`jaxinfer.layer_stack`): a tuple of
+per-layer pytrees is unrolled into the program; runs of alike layers stacked along a leading
+axis run as one `lax.scan` each, so the program stops growing with depth (on XLA:CPU the
+unrolled program decodes faster, elsewhere the scan compiles far faster: `jaxinfer.model.stacking`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from jaxinfer.attention import dispatch
 from jaxinfer.attention.mesh import sharded_write_and_attend, write_and_attend
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq
 from jaxinfer.config import ModelConfig
-from jaxinfer.kv.layer_cache import stored_kv_heads
+from jaxinfer.kv.layer_cache import LayerCache, stored_kv_heads
 from jaxinfer.kv.pages import WriteIndices
 from jaxinfer.kv.paged_state import PagedKVState, write_indices
+from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.layer_stack import LayerStack, run_lengths
 from jaxinfer.model.layers import linear, rms_norm, swiglu_mlp
 from jaxinfer.model.mla import mla_attention
 from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams
@@ -60,68 +67,66 @@ def _flat(parts: list[jax.Array]) -> jax.Array:
 def attention_block(
     config: ModelConfig,
     layer: LayerParams | MLALayerParams,
-    layer_index: int,
+    layer_kv: LayerCache,  # this layer's cache (or a view into its run's, `jaxinfer.kv.layer_cache`)
     x: jax.Array,  # [N, D]: every group's tokens, flattened, already normed
     groups: tuple[TokenGroup, ...],
     idxs: list[WriteIndices],
     inv_freq: jax.Array,  # f32[Dh/2]
-    kv: PagedKVState,
+    *,
+    window: int | None = None,  # this layer's sliding window (`ModelConfig.window`)
+    streaming: StreamingSpec | None = None,  # the cache's `PagedKVState.streaming`
+    max_slots: int = 0,  # the cache's slots (needed on a mesh only)
     attention_impl: str = "reference",  # "auto" | "reference" | "pallas" (`jaxinfer.attention.dispatch`)
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[jax.Array, PagedKVState]:
+) -> tuple[jax.Array, LayerCache]:
     """Project, rotate, write every group's K/V into the pages, attend per group (per device
-    under `shard_map` on a mesh: `jaxinfer.attention.mesh`). Every variant (paged, MLA,
-    StreamingLLM ring) goes through `jaxinfer.attention.dispatch` with `attention_impl`."""
+    under `shard_map` on a mesh: `jaxinfer.attention.mesh`) -> ([N, D], the layer's new cache).
+    Every variant (paged, MLA, StreamingLLM ring) goes through `jaxinfer.attention.dispatch`
+    with `attention_impl`."""
     c = config
     if c.mla is not None:
         outs, layer_kv = mla_attention(c, layer, _split(x, groups), [g.positions for g in groups], idxs,
-                                       inv_freq, kv.layers[layer_index], attention_impl)
-        return linear(_flat(outs), layer.wo), _replace_layer(kv, layer_index, layer_kv)
+                                       inv_freq, layer_kv, attention_impl)
+        return linear(_flat(outs), layer.wo), layer_kv
     qs = _split(linear(x, layer.wq, layer.bq).reshape(-1, c.n_heads, c.head_dim), groups)
     ks = _split(linear(x, layer.wk, layer.bk).reshape(-1, c.n_kv_heads, c.head_dim), groups)
     vs = _split(linear(x, layer.wv, layer.bv).reshape(-1, c.n_kv_heads, c.head_dim), groups)
-    layer_kv = kv.layers[layer_index]
     copies = stored_kv_heads(layer_kv) // c.n_kv_heads
     if copies > 1:  # the pool keeps each KV head `copies` times (`jaxinfer.sharding.kv_head_copies`)
         ks = [jnp.repeat(k, copies, axis=2) for k in ks]  # [B, T, Hkv * copies, Dh]
         vs = [jnp.repeat(v, copies, axis=2) for v in vs]
-    if kv.streaming is not None:
-        outs, layer_kv = _streaming_attention(c, layer_index, qs, ks, vs, idxs, inv_freq, kv, attention_impl)
-        return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
+    if streaming is not None:
+        outs, layer_kv = _streaming_attention(c, window, streaming, qs, ks, vs, idxs, inv_freq, layer_kv, attention_impl)
+        return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), layer_kv
     qs = [apply_rope(q, g.positions, inv_freq) for q, g in zip(qs, groups)]
     ks = [apply_rope(k, g.positions, inv_freq) for k, g in zip(ks, groups)]
 
     def attend(q, layer_kv, idx):
         return dispatch.paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
-                                        scale=1.0 / math.sqrt(c.head_dim), window=c.window(layer_index),
+                                        scale=1.0 / math.sqrt(c.head_dim), window=window,
                                         slots=idx.slots, impl=attention_impl)
 
     if mesh is not None and layer_kv.splits_over_mesh:
         outs, layer_kv = sharded_write_and_attend(mesh, layer_kv, qs, ks, vs, idxs, tuple(g.by_replica for g in groups),
-                                                  attend, kv.max_slots)
+                                                  attend, max_slots)
     else:  # one device, or a format GSPMD partitions by itself
         outs, layer_kv = write_and_attend(layer_kv, qs, ks, vs, idxs, attend)
-    return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), _replace_layer(kv, layer_index, layer_kv)
+    return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), layer_kv
 
 
-def _streaming_attention(c: ModelConfig, layer_index: int, qs, ks, vs, idxs, inv_freq, kv: PagedKVState,
-                         attention_impl: str):
+def _streaming_attention(c: ModelConfig, window: int | None, streaming: StreamingSpec, qs, ks, vs, idxs, inv_freq,
+                         layer_kv: LayerCache, attention_impl: str):
     """Bounded sink + ring cache: attend over the ring as it was plus this step's own
     (un-rotated) keys, then write them; token positions are assigned inside the cache."""
-    layer_kv = kv.layers[layer_index]
     outs = [
         dispatch.streaming_attention(q, k, v, layer_kv, idx.block_tables, idx.cache_index[:, 0],
-                                     idx.new_lengths - idx.cache_index[:, 0], kv.streaming, inv_freq,
-                                     1.0 / math.sqrt(c.head_dim), window=c.window(layer_index), impl=attention_impl)
+                                     idx.new_lengths - idx.cache_index[:, 0], streaming, inv_freq,
+                                     1.0 / math.sqrt(c.head_dim), window=window, impl=attention_impl)
         for q, k, v, idx in zip(qs, ks, vs, idxs)
     ]
     for k, v, idx in zip(ks, vs, idxs):
         layer_kv = layer_kv.write(k, v, idx)
     return outs, layer_kv
-
-
-def _replace_layer(kv: PagedKVState, index: int, layer_kv) -> PagedKVState:
-    return dataclasses.replace(kv, layers=kv.layers[:index] + (layer_kv,) + kv.layers[index + 1 :])
 
 
 def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
@@ -146,16 +151,29 @@ def forward_groups(
     attention: the jnp reference, the Pallas kernels, or "auto" (`jaxinfer.attention.dispatch`).
     `mesh`: the ("data", "model") mesh the params and pages are sharded on (`jaxinfer.sharding`);
     the paged writes and attention then run per device, each on its own pages.
+    `params.layers` and `kv.layers` must share a layout: both per layer, or both stacked in
+    the same runs (`jaxinfer.model.stacking`); each run is one `lax.scan`.
     """
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_dim
     inv_freq = rope_inv_freq(rope_dim, config.rope_theta, config.rope_scaling)
     x = _flat([params.embed[g.tokens] for g in groups]).astype(config.jnp_dtype)  # [N, D]
-    for i, layer in enumerate(params.layers):  # unrolled: faster than scan on XLA:CPU
-        h, kv = attention_block(config, layer, i, rms_norm(x, layer.attn_norm, config.rms_eps), groups, idxs, inv_freq, kv,
-                                attention_impl, mesh)
+
+    def decoder_layer(x, layer, layer_kv, window):  # [N, D] -> [N, D], the layer's new cache
+        h, layer_kv = attention_block(config, layer, layer_kv, rms_norm(x, layer.attn_norm, config.rms_eps), groups,
+                                      idxs, inv_freq, window=window, streaming=kv.streaming, max_slots=kv.max_slots,
+                                      attention_impl=attention_impl, mesh=mesh)
         x = x + h
-        x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
+        return x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down), layer_kv
+
+    caches = []
+    for first, layer, layer_kv in _entries(config, params, kv):
+        if isinstance(layer, LayerStack):
+            x, layer_kv = _scan_run(decoder_layer, x, layer, layer_kv, config.window(first))
+        else:
+            x, layer_kv = decoder_layer(x, layer, layer_kv, config.window(first))
+        caches.append(layer_kv)
+    kv = dataclasses.replace(kv, layers=tuple(caches))
     x = rms_norm(x, params.final_norm, config.rms_eps)
 
     logits = []
@@ -167,6 +185,35 @@ def forward_groups(
     for g in groups:
         lengths = lengths.at[g.slots].add(g.num_new)
     return tuple(logits), dataclasses.replace(kv, lengths=lengths)
+
+
+def _entries(config: ModelConfig, params: ModelParams, kv: PagedKVState):
+    """(index of the first layer, params, cache) per layout entry: a layer, or a run of layers."""
+    if run_lengths(params.layers) != run_lengths(kv.layers):
+        raise ValueError(f"params and KV cache differ in layer layout (runs {run_lengths(params.layers)} vs "
+                         f"{run_lengths(kv.layers)}; 0 = unrolled): stack both alike (`jaxinfer.model.stacking`)")
+    first = 0
+    for layer, layer_kv in zip(params.layers, kv.layers):
+        n = layer.n if isinstance(layer, LayerStack) else 1
+        if len({config.window(i) for i in range(first, first + n)}) > 1:
+            raise ValueError(f"layers {first}..{first + n - 1} are one run but differ in attention window")
+        yield first, layer, layer_kv
+        first += n
+
+
+def _scan_run(decoder_layer, x: jax.Array, run: LayerStack, cache: LayerStack, window: int | None
+              ) -> tuple[jax.Array, LayerStack]:
+    """`decoder_layer` over a run's layers by `lax.scan`: the params are the scanned input
+    (a slice per layer); the stacked caches ride in the carry and each layer writes its own
+    layer in place through a view (`jaxinfer.kv.layer_cache`), never a copy of the pool."""
+    def body(carry, xs):
+        x, pages = carry  # [N, D]; the run's caches, every leaf [n, ...]
+        layer, i = xs
+        x, view = decoder_layer(x, layer, pages.replace(layer=i), window)
+        return (x, view.replace(layer=None)), None
+
+    (x, pages), _ = jax.lax.scan(body, (x, cache.stacked), (run.stacked, jnp.arange(run.n, dtype=jnp.int32)))
+    return x, LayerStack(pages)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))

@@ -30,6 +30,7 @@ from flax import struct
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
+from jaxinfer.layer_stack import slice_layers
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
 from jaxinfer.sampling import TokenLogprobs, row_keys, token_logprobs
 from jaxinfer.speculative.drafts.propose import propose_with_model
@@ -88,10 +89,11 @@ def speculative_step(
     if draft_config is None:
         proposal = Proposal(drafts.tokens, None)
     elif shared_layers:
-        dkv = dataclasses.replace(kv, layers=kv.layers[:shared_layers])
+        # (stacked: the engine ends a run at shared_layers, so these slices copy nothing)
+        dkv = dataclasses.replace(kv, layers=slice_layers(kv.layers, 0, shared_layers))
         proposal, dkv = propose_with_model(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
                                            draft_keys, separate=False, attention_impl=attention_impl, mesh=mesh)
-        kv = dataclasses.replace(kv, layers=dkv.layers + kv.layers[shared_layers:])
+        kv = dataclasses.replace(kv, layers=dkv.layers + slice_layers(kv.layers, shared_layers, config.n_layers))
     else:
         draft_owned = (draft_kv.block_tables, draft_kv.lengths)
         dkv = dataclasses.replace(draft_kv, block_tables=batch.block_tables, lengths=batch.lengths)

@@ -24,6 +24,7 @@ import dataclasses
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.layer_stack import slice_layers, unstack
 from jaxinfer.loading import Model
 from jaxinfer.model.params import ModelParams
 
@@ -85,7 +86,7 @@ def self_draft(target_config: ModelConfig, target_params: ModelParams, num_layer
         target_config, n_layers=num_layers,
         layer_windows=target_config.layer_windows[:num_layers] if target_config.layer_windows else (),
     )
-    params = dataclasses.replace(target_params, layers=target_params.layers[:num_layers])
+    params = dataclasses.replace(target_params, layers=slice_layers(target_params.layers, 0, num_layers))
     return DraftModel(config, params, shares_target_layers=num_layers, name=f"self{num_layers}")
 
 
@@ -99,5 +100,5 @@ def init_draft(target: Model, n_layers: int, vocab_ids: np.ndarray) -> DraftMode
     if tc.mla is not None:
         raise ValueError("training a draft for an MLA target is not supported")
     config = tc.replace(n_layers=n_layers, layer_windows=tc.layer_windows[:n_layers])
-    params = dataclasses.replace(tp, layers=tuple(tp.layers[:n_layers]))
+    params = dataclasses.replace(tp, layers=unstack(slice_layers(tp.layers, 0, n_layers)))  # training walks layers
     return DraftModel.with_vocab_subset(config, params, vocab_ids, name="trained")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.layer_stack import unstack
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
 from jaxinfer.model.params import LayerParams, ModelParams
 
@@ -51,7 +52,7 @@ def dense_hidden(params: ModelParams, config: ModelConfig, tokens: jax.Array) ->
     c = config
     inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
     x = params.embed[tokens].astype(c.jnp_dtype)  # [B, T, D]
-    for i, layer in enumerate(params.layers):
+    for i, layer in enumerate(unstack(params.layers)):
         mask = causal_mask(tokens.shape[1], c.window(i))
         x = x + dense_attention(c, layer, rms_norm(x, layer.attn_norm, c.rms_eps), inv_freq, mask)
         x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate, layer.w_up, layer.w_down)

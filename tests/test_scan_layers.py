@@ -1,0 +1,190 @@
+"""The stacked layer layout: `lax.scan` over runs of alike layers equals the unrolled forward.
+
+Scanned and unrolled forwards must give the same greedy tokens and logits within 1e-6 (f32)
+over a prefill and several decode steps, for every cache variant; the program must not grow
+with depth; and the scan must write each layer's pages in place in the stacked pool.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_attention_variants import mla_tiny_config
+from tiny_models import tiny_config, tiny_model
+
+from jaxinfer import layer_stack
+from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
+from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv
+from jaxinfer.kv.plan import KVCachePlan
+from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.loading import Model
+from jaxinfer.model import forward, init_random_params
+from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, with_layer_runs
+from jaxinfer.sampling import SamplingParams
+
+PLAN = KVCachePlan(("int8", "int8", "int4", "f32", "f32"))
+CASES = {  # config, forward options
+    "gqa": (tiny_config(n_layers=5), {}),
+    "window": (tiny_config(n_layers=5, layer_windows=(None, 3, 3, None, 5)), {}),
+    "sink_ring": (tiny_config(n_layers=5), {"streaming": StreamingSpec(num_sinks=2, window=5)}),
+    "mla": (mla_tiny_config().replace(n_layers=3), {}),
+    "plan": (tiny_config(n_layers=5), {"kv_cache": PLAN}),
+    "int8": (tiny_config(n_layers=5), {"kv_cache": "int8"}),
+}
+
+
+def decode(params, config, kv, steps: int = 4) -> tuple[list[jax.Array], list[int]]:
+    """Prefill two rows of different lengths, then decode greedily -> (logits per call, tokens)."""
+    spec_pages = kv.max_pages_per_seq
+    kv = kv.replace(block_tables=jnp.asarray(block_table_array(
+        [list(range(1, 1 + spec_pages)), list(range(1 + spec_pages, 1 + 2 * spec_pages))], spec_pages)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 6)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    logits, kv = forward(params, config, tokens, positions, kv, num_new=jnp.array([6, 4], jnp.int32),
+                         logits_index=jnp.array([5, 3], jnp.int32))
+    out, greedy = [logits], []
+    for _ in range(steps):
+        nxt = jnp.argmax(out[-1], axis=-1).astype(jnp.int32)  # i32[2]
+        greedy.append(nxt.tolist())
+        logits, kv = forward(params, config, nxt[:, None], kv.lengths[:, None], kv)
+        out.append(logits[:, 0])
+    return out, greedy
+
+
+def both_ways(config, streaming=None, kv_cache="auto"):
+    params = init_random_params(config, seed=1, scale=0.3)
+    spec = KVCacheSpec(num_pages=2 * 4 + 1, page_size=4, max_slots=2, max_pages_per_seq=4)
+    unrolled = decode(params, config, init_paged_kv(config, spec, streaming=streaming, kv_cache=kv_cache))
+    runs = layer_runs(config, kv_cache)
+    kv = init_paged_kv(config, spec, streaming=streaming, kv_cache=kv_cache, layer_runs=runs)
+    assert layer_stack.run_lengths(kv.layers) == runs
+    return unrolled, decode(with_layer_runs(params, runs), config, kv), runs
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_scanned_forward_equals_unrolled(case):
+    config, options = CASES[case]
+    (ref_logits, ref_tokens), (logits, tokens), runs = both_ways(config, **options)
+    assert tokens == ref_tokens
+    for want, got in zip(ref_logits, logits):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+    if case in ("gqa", "int8", "sink_ring", "mla"):
+        assert runs == (config.n_layers,)  # alike layers: one scan over all of them
+
+
+def test_runs_follow_formats_windows_and_splits():
+    assert layer_runs(tiny_config(n_layers=5), PLAN) == (2, 1, 2)
+    assert layer_runs(tiny_config(n_layers=5, layer_windows=(None, 3, 3, None, 5))) == (1, 2, 1, 1)
+    assert layer_runs(tiny_config(n_layers=5), "int8", split_at=(2,)) == (2, 3)
+
+
+def test_layout_helpers_round_trip_and_keep_aligned_runs():
+    config, params = tiny_model(n_layers=4)
+    stacked = layer_stack.stack(params.layers, (3, 1))
+    assert layer_stack.run_lengths(stacked) == (3, 1) and layer_stack.num_layers(stacked) == 4
+    for a, b in zip(jax.tree.leaves(layer_stack.unstack(stacked)), jax.tree.leaves(params.layers)):
+        np.testing.assert_array_equal(a, b)
+    head = layer_stack.slice_layers(stacked, 0, 3)
+    assert head[0] is stacked[0]  # a whole run: the same arrays, no copy
+    cut = layer_stack.slice_layers(stacked, 1, 4)
+    assert layer_stack.run_lengths(cut) == (2, 1)
+    np.testing.assert_array_equal(cut[0].stacked.wq[0], params.layers[1].wq)
+    with pytest.raises(ValueError, match="do not cover"):
+        layer_stack.stack(params.layers, (3,))
+
+
+def test_mismatched_layouts_and_runs_across_windows_raise():
+    config = tiny_config(n_layers=2, layer_windows=(None, 3))
+    params = init_random_params(config)
+    spec = KVCacheSpec.for_batch(1, 8, page_size=4)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="layer layout"):
+        forward(with_layer_runs(params, (1, 1)), config, tokens, tokens, init_paged_kv(config, spec))
+    with pytest.raises(ValueError, match="attention window"):
+        forward(with_layer_runs(params, (2,)), config, tokens, tokens, init_paged_kv(config, spec, layer_runs=(2,)))
+
+
+def _lowered(n_layers: int, runs: bool):
+    config = tiny_config(n_layers=n_layers)
+    spec = KVCacheSpec(num_pages=13, page_size=4, max_slots=2, max_pages_per_seq=6)
+    params = init_random_params(config)
+    r = (n_layers,) if runs else None
+    kv = init_paged_kv(config, spec, layer_runs=r)
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    return forward.lower(with_layer_runs(params, r), config, tokens, tokens, kv)
+
+
+def test_scanned_program_does_not_grow_with_depth():
+    size = {(n, s): len(_lowered(n, s).as_text()) for n in (2, 8) for s in (False, True)}
+    assert size[8, True] < 1.05 * size[2, True]
+    assert size[8, False] > 3 * size[2, False]  # the unrolled program does
+
+
+def test_scan_writes_pages_in_place():
+    """No layer's pages are sliced out of the stacked pool, copied or put back: the scatter goes
+    straight into the pool carried by the loop (`LayerCache.layer` views)."""
+    hlo = _lowered(6, True).compile().as_text()
+    pool = r"f32\[(1,)?13,4,2,8\]"  # one layer's k or v pages, [num_pages, page_size, Hkv, Dh]
+    moves = [line for line in hlo.splitlines()
+             if re.search(pool + r"\{[^}]*\} (dynamic-slice|dynamic-update-slice|copy)\(", line)]
+    assert not moves, moves[:3]
+    assert "while" in hlo
+
+
+def test_layer_loop_option():
+    assert resolve_layer_loop("auto", "cpu") == "unroll"
+    assert resolve_layer_loop("auto", "gpu") == resolve_layer_loop("auto", "tpu") == "scan"
+    with pytest.raises(ValueError, match="layer_loop"):
+        EngineConfig(layer_loop="vmap")
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_cache": PLAN},
+                                     {"speculative": SpeculativeConfig("self", 3, self_layers=2)}],
+                         ids=["plain", "plan", "self_speculation"])
+def test_engine_scan_equals_unroll(options):
+    config, params = tiny_model(n_layers=5)
+    model = Model(config, params, None)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 1, 4, 1, 5]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = {}
+    for loop in ("unroll", "scan"):
+        engine = Engine(model, EngineConfig(max_slots=2, page_size=4, max_model_len=32, prefill_chunk=4,
+                                            layer_loop=loop, **options))
+        out[loop] = [o.token_ids for o in engine.generate(prompts, sp)]
+        stacked = layer_stack.is_stacked(engine.model.params.layers)
+        assert stacked == (loop == "scan") and layer_stack.is_stacked(engine.kv.layers) == stacked
+    assert out["scan"] == out["unroll"]
+    assert not layer_stack.is_stacked(model.params.layers)  # the caller's model is left as it was
+
+
+def test_build_params_stacks_runs_and_orbax_stores_per_layer(tmp_path):
+    from jaxinfer.checkpoint.orbax_io import load_orbax, save_orbax
+
+    config = tiny_config(n_layers=4)
+    unrolled = init_random_params(config, seed=3)
+    stacked = init_random_params(config, seed=3, layer_runs=(1, 3))
+    assert layer_stack.run_lengths(stacked.layers) == (1, 3)
+    for a, b in zip(jax.tree.leaves(with_layer_runs(stacked, None)), jax.tree.leaves(unrolled)):
+        np.testing.assert_array_equal(a, b)
+    save_orbax(config, stacked, tmp_path / "ckpt")
+    _, restored = load_orbax(tmp_path / "ckpt")
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(unrolled)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stacked_shardings_keep_the_layer_axis_whole():
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer import sharding
+
+    config = tiny_config(n_layers=3)
+    mesh = sharding.make_mesh("data=1,model=1")
+    shardings = sharding.param_shardings(init_random_params(config, layer_runs=(3,)), config, mesh)
+    assert shardings.layers[0].stacked.wq.spec == P(None, "model", None)
+    kv = init_paged_kv(config, KVCacheSpec.for_batch(1, 8, page_size=4), kv_cache="int8", layer_runs=(3,))
+    kv_sh = sharding.kv_shardings(kv, mesh)
+    assert kv_sh.layers[0].stacked.k_scale.spec == P(None, "data", None, "model")
