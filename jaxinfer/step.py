@@ -5,8 +5,8 @@ prefill helpers) and `jaxinfer.engine` (which drives it).
 
 Two kinds of program exist, whatever the traffic: decode-only, and decode + prefill (one
 `[max_prefill_rows, prefill_chunk]` group), each compiled once per *context bucket*: the
-block tables are cut to the smallest of a few widths (powers of two pages) that holds every
-running sequence, so attention over short contexts does not gather `max_model_len` keys.
+block tables are cut to the smallest of a few widths (`EngineConfig.min_context_bucket`,
+x4 each) that holds every running sequence, so attention over short contexts does not gather `max_model_len` keys.
 Every other array in a `StepBatch` has a shape fixed at engine construction.
 """
 

@@ -171,8 +171,8 @@ def test_each_engine_counts_only_its_own_programs(model):
     """Two engines of different shapes in one process: each reports its own programs (two
     per context bucket), unchanged by the other's traffic and by steady-state steps; a third
     with the first one's shapes compiles nothing (it reuses the executables)."""
-    small = engine(model, max_slots=2, max_model_len=32)
-    large = engine(model, max_slots=4, max_model_len=64)
+    small = engine(model, max_slots=2, max_model_len=32, min_context_bucket=8)  # buckets of 2, 8 pages
+    large = engine(model, max_slots=4, max_model_len=64, min_context_bucket=8)  # 2, 8, 16 pages
     assert len(small.context_buckets) != len(large.context_buckets)
     for eng in (small, large):
         eng.warmup()
@@ -182,7 +182,7 @@ def test_each_engine_counts_only_its_own_programs(model):
     for eng in (small, large, small):
         eng.generate(prompts(6, seed=5, hi=20), sp)
     assert [eng.metrics().compiled_programs for eng in (small, large)] == counts
-    twin = engine(model, max_slots=2, max_model_len=32)  # same shapes: reuses small's executables
+    twin = engine(model, max_slots=2, max_model_len=32, min_context_bucket=8)  # same shapes: reuses small's executables
     twin.warmup()
     twin.generate(prompts(6, seed=5, hi=20), sp)
     assert twin.metrics().compiled_programs == 0

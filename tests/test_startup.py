@@ -25,7 +25,7 @@ from tiny_models import tiny_model
 T = 120  # seconds a wait may take on a busy machine
 
 # Two context buckets (4 and 8 pages) -> 4 programs.
-CONFIG = EngineConfig(max_slots=4, page_size=8, max_model_len=64, prefill_chunk=8)
+CONFIG = EngineConfig(max_slots=4, page_size=8, max_model_len=64, prefill_chunk=8, min_context_bucket=32)
 
 
 @pytest.fixture(scope="module")

@@ -50,9 +50,12 @@ class EngineConfig:
     # `lax.scan` per run of alike layers: compile time and program size independent of depth)
     # or "auto" (unroll on CPU, where unrolled layers decode faster; scan on GPU/TPU).
     layer_loop: str = "auto"
+    # Tokens the narrowest context bucket holds: the step's block tables are cut to the
+    # smallest of these widths (x4 each, up to max_model_len) that fits every sequence.
+    min_context_bucket: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows"):
+        for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows", "min_context_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name}={value!r} must be a positive integer")

@@ -115,7 +115,7 @@ class Engine:
             max_pages_per_seq=pages_per_seq if stream else None,
             num_speculative=k, data_parallel=data,
         )
-        self.context_buckets = context_buckets(pages_per_seq)
+        self.context_buckets = context_buckets(pages_per_seq, -(-config.min_context_bucket // config.page_size))
         self.requests: dict[str, Request] = {}
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)  # most recent first out
         self._seeds = np.random.default_rng(config.seed)
@@ -580,12 +580,14 @@ def release_window(config: ModelConfig) -> int | None:
     return max(windows) if windows and None not in windows else None
 
 
-def context_buckets(max_pages: int, smallest: int = 4) -> list[int]:
-    """Block-table widths the step is compiled for: powers of two, then `max_pages`."""
-    buckets, w = [], smallest
+def context_buckets(max_pages: int, smallest: int) -> list[int]:
+    """Block-table widths the step is compiled for: `smallest`, x4 each, then `max_pages`.
+    Measured on CPU (BENCHMARKS.md, startup): a decode step costs about the same at any
+    width up to ~512 tokens, so narrower buckets only add programs to compile."""
+    buckets, w = [], max(smallest, 1)
     while w < max_pages:
         buckets.append(w)
-        w *= 2
+        w *= 4
     return buckets + [max_pages]
 
 
