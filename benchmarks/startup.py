@@ -12,7 +12,8 @@ would not have):
 - scan_compile_ratio: compile CPU time of one engine program (decode + prefill, smallest
   bucket) with layers under `lax.scan` over the same program unrolled;
 - bucket_step_ms: one decode step's wall ms at each context-bucket width (the gather width
-  a short context pays without buckets), beside bucket_compile_cpu_s (what a bucket costs).
+  a short context pays without narrower buckets; warmup_cpu_s / compiled_programs is what
+  one more bucket's two programs would cost).
 
     python benchmarks/startup.py            # ~10 minutes on 2 cores
 """

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.params import ModelParams
+from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, with_layer_runs
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -26,6 +27,7 @@ def load_model(
     progress: bool = True,
     place=None,
     weight_cache: bool = True,
+    layer_loop: str = "auto",
 ) -> Model:
     """Load a `.gguf` file, an HF directory or an orbax directory written by `jaxinfer convert`.
 
@@ -34,6 +36,9 @@ def load_model(
     `weight_cache` (GGUF): keep the dequantized weights in `<cache>/weights` after the first load
     and memory-map them on later loads (`jaxinfer.checkpoint.weight_cache`);
     `$JAXINFER_NO_WEIGHT_CACHE=1` turns it off everywhere. `progress=False`: print nothing.
+    `layer_loop`: the layer layout engines will run (`EngineConfig.layer_loop`): where that
+    is "scan" (on GPU/TPU for "auto") the layers are stacked here, once, so an engine uses
+    these arrays as they are instead of keeping a stacked copy beside them.
     """
     from jaxinfer.checkpoint import is_gguf, load_checkpoint, load_gguf, open_gguf_checked
 
@@ -49,6 +54,8 @@ def load_model(
     else:
         config, params = load_checkpoint(path, dtype=dtype, place=place)
         tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").exists() else None
+    if resolve_layer_loop(layer_loop) == "scan":
+        params = with_layer_runs(params, layer_runs(config))
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)
     return Model(config=config, params=params, tokenizer=tokenizer, source=str(path))

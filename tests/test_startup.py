@@ -3,6 +3,7 @@ second start compiles none (`jaxinfer.programs`, `Engine.start_warmup`, `/health
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -182,3 +183,19 @@ def test_compilation_cache_opt_outs_write_nothing(tmp_path):
         run = start(tmp_path, setting, env_cache)
         assert run["compiled"] == run["programs"] and run["cached"] == 0
         assert not (tmp_path / "xla").exists()
+
+
+def test_models_loaded_for_scan_are_run_as_they_are(model, tmp_path):
+    """load_model(layer_loop="scan") stacks the layers once; an engine scanning them keeps
+    those very arrays (no second, stacked copy) and decodes the same tokens as unrolled."""
+    from jaxinfer.checkpoint import save_orbax
+    from jaxinfer.loading import load_model
+
+    save_orbax(model.config, model.params, tmp_path / "m")
+    stacked = load_model(tmp_path / "m", layer_loop="scan")
+    assert len(stacked.params.layers) < model.config.n_layers or model.config.n_layers == 1
+    eng = Engine(stacked, dataclasses.replace(CONFIG, layer_loop="scan"))
+    assert eng.model.params is stacked.params
+    sp = SamplingParams(max_tokens=8)
+    assert (eng.generate([[3, 4, 5]], sp)[0].token_ids
+            == Engine(load_model(tmp_path / "m", layer_loop="unroll"), CONFIG).generate([[3, 4, 5]], sp)[0].token_ids)

@@ -322,7 +322,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
         if not engine.ready:  # read-only peek at the engine thread's state: a momentary answer
             return JSONResponse({"status": "warming up", "detail": "compiling the engine's programs"},
                                 status_code=503, headers={"Retry-After": str(WARMING_RETRY_AFTER_S)})
-        return {"status": "ok", "compiling_in_background": engine.warming_up}
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
