@@ -13,9 +13,11 @@ across processes.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from pathlib import Path
 from typing import Any
@@ -94,7 +96,10 @@ class BackgroundCompiler:
         self._compiling: Hashable | None = None
         self._done: set[Hashable] = set()
         self._changed = threading.Condition()
+        # A daemon thread, so it never keeps a process alive; `_stop_all_at_exit` lets its
+        # compile in progress finish first (XLA aborts the process if it is cut off midway).
         self._thread = threading.Thread(target=self._run, name="jaxinfer-compile", daemon=True)
+        _live.add(self)
         self._thread.start()
 
     def _run(self) -> None:
@@ -137,6 +142,21 @@ class BackgroundCompiler:
     @property
     def busy(self) -> bool:
         return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Drop what is still queued and wait for the compile in progress."""
+        with self._changed:
+            self._queue.clear()
+        self._thread.join()
+
+
+_live: weakref.WeakSet[BackgroundCompiler] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for compiler in list(_live):
+        compiler.stop()
 
 
 def default_cache_dir() -> Path:
