@@ -53,9 +53,14 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(gguf_file)
     else:
         config, params = load_checkpoint(path, dtype=dtype, place=place)
-        tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").exists() else None
+        tokenizer = tokenizer_of_dir(path)
     if resolve_layer_loop(layer_loop) == "scan":
         params = with_layer_runs(params, layer_runs(config))
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)
     return Model(config=config, params=params, tokenizer=tokenizer, source=str(path))
+
+
+def tokenizer_of_dir(path: Path) -> Tokenizer | None:
+    """The tokenizer saved in an HF or orbax checkpoint directory (`tokenizer.json`), if any."""
+    return Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").exists() else None

@@ -243,7 +243,7 @@ def load_sharded(path: str | os.PathLike | None, mesh: Mesh, dtype: str = "float
         return loading.load_model(path, dtype=dtype, progress=False, place=placer(mesh))
     config = read_orbax_config(Path(path).absolute()).replace(dtype=dtype)
     config, params = load_orbax(path, dtype, shardings=param_shardings(abstract_params(config), config, mesh))
-    tokenizer = loading._load_tokenizer(Path(path))
+    tokenizer = loading.tokenizer_of_dir(Path(path))
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)
     return loading.Model(config=config, params=params, tokenizer=tokenizer, source=str(path))

@@ -23,7 +23,8 @@ MESHES = ["data=1,model=8", "data=2,model=4", "data=8,model=1"]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXINFER_") and k != "XLA_FLAGS"}
+    keep = ("JAXINFER_COMPILATION_CACHE", "JAXINFER_NO_WEIGHT_CACHE")  # the suite's: write nothing to the user's caches
+    env = {k: v for k, v in os.environ.items() if (k in keep or not k.startswith("JAXINFER_")) and k != "XLA_FLAGS"}
     return env | {"JAX_PLATFORMS": "cpu"} | extra
 
 
@@ -33,7 +34,7 @@ def _parse(proc: subprocess.CompletedProcess | tuple[int, str, str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_checks(mode: str, devices: int = 8, timeout: int = 400) -> dict:
+def run_checks(mode: str, devices: int = 8, timeout: int = 900) -> dict:
     proc = subprocess.run([sys.executable, str(CHECKS), mode, str(devices)], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=_env())
     return _parse(proc)
