@@ -55,7 +55,7 @@ def test_background_warmup_serves_the_same_tokens_and_compiles_each_program_once
     eng.start_warmup()
     outs = eng.generate(prompts(6, seed=2), sp)  # served while the other programs compile
     assert [o.token_ids for o in outs] == reference
-    assert eng._compiler.wait(T)
+    assert eng.wait_for_warmup(T)
     assert eng.ready and not eng.warming_up
     # the jax caches are shared with the reference engine above: this one counts only what
     # it compiled itself, and never a program twice

@@ -419,6 +419,11 @@ class Engine:
         first = [k for k in self.program_keys() if k[0] == self.context_buckets[0]]
         return all(k in self._ran or self._compiler.compiled(k) for k in first)
 
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Block until `start_warmup`'s background compiles are done (at once without one);
+        False if `timeout` seconds ran out first."""
+        return self._compiler is None or self._compiler.wait(timeout)
+
     @property
     def warming_up(self) -> bool:
         """True while `start_warmup`'s background compiles are still going."""
