@@ -42,6 +42,7 @@ def load_model(
     """
     from jaxinfer.checkpoint import is_gguf, load_checkpoint, load_gguf, open_gguf_checked
 
+    scan = resolve_layer_loop(layer_loop) == "scan"  # checked before the (slow) load
     if path is None:
         from jaxinfer.default_model import default_model_path
 
@@ -54,7 +55,7 @@ def load_model(
     else:
         config, params = load_checkpoint(path, dtype=dtype, place=place)
         tokenizer = tokenizer_of_dir(path)
-    if resolve_layer_loop(layer_loop) == "scan":
+    if scan:
         params = with_layer_runs(params, layer_runs(config))
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)
