@@ -104,3 +104,67 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
     "Write a short adventure story about pirates searching for treasure.",
     "Why do leaves change color in the fall?",
 )
+
+
+# More instructions for the EAGLE head (more data beats more epochs): templates x subjects,
+# in the genres of DEFAULT_PROMPTS plus text the answer must copy from (rewrite, fix, convert).
+_TEMPLATES: tuple[str, ...] = (
+    "Explain {topic} in simple terms.",
+    "Write a short story about {thing}.",
+    "List five facts about {topic}.",
+    "What are the advantages and disadvantages of {topic}?",
+    "Write a short poem about {thing}.",
+    "Give me three tips related to {topic}.",
+    "Describe {thing} to someone who has never seen it.",
+    "Write a paragraph for a school essay about {topic}.",
+    "What is the history of {topic}? Keep it brief.",
+    "Write a friendly email to a colleague about {thing}.",
+    "Answer briefly: why is {topic} important?",
+    "Write a dialogue between two friends talking about {thing}.",
+)
+_TOPICS: tuple[str, ...] = (
+    "gravity", "the internet", "electric cars", "the Roman Empire", "volcanoes", "machine learning",
+    "healthy sleep", "the stock market", "honey bees", "recycling", "the human heart", "solar panels",
+    "chess", "the French Revolution", "coffee", "rainforests", "earthquakes", "democracy", "jazz music",
+    "the moon landing", "vaccines", "cloud computing", "the printing press", "ocean tides", "friendship",
+    "public transport", "meditation", "dinosaurs", "the immune system", "renewable energy", "libraries",
+    "video games", "antibiotics", "the Great Wall of China", "photosynthesis", "inflation", "bread baking",
+    "the Olympic Games", "glaciers", "social media", "programming languages", "time management",
+    "the periodic table", "wind turbines", "ancient Egypt", "learning a new language", "rain", "magnets",
+)
+_THINGS: tuple[str, ...] = (
+    "a lighthouse keeper", "a lost dog", "a city at night", "a talking tree", "a summer storm",
+    "a old bicycle", "a dragon who is afraid of fire", "a busy train station", "a snowy mountain",
+    "a small bakery", "a spaceship", "a garden in spring", "a rainy Monday", "a clockmaker",
+    "a forgotten key", "a desert island", "a school trip", "a friendly ghost", "the first day at a new job",
+    "a river", "a market in the morning", "a lonely astronaut", "a cat and a mouse", "a broken umbrella",
+)
+_COPY_TEXTS: tuple[str, ...] = (
+    "The meeting is on Monday at ten. Please bring your notes and the report from last week.",
+    "Our team finished the project early, and the client was very happy with the results.",
+    "I went to the store, bought milk and bread, and then walked home through the park.",
+    "The weather was cold and windy, so we stayed inside and played board games all afternoon.",
+    "def area(r):\n    return 3.14159 * r * r",
+    "for i in range(10):\n    print(i * i)",
+    "The museum opens at nine, closes at five, and is free on the first Sunday of each month.",
+    "She plays the piano every evening, and her neighbours enjoy listening from their balconies.",
+    "The recipe needs two eggs, a cup of flour, half a cup of sugar and a pinch of salt.",
+    "Please send the invoice to the accounting team before the end of the month.",
+    "def greet(name):\n    print('Hello ' + name)",
+    "The train was late again, so I missed the start of the concert.",
+)
+_COPY_TEMPLATES: tuple[str, ...] = (
+    "Rewrite this text in the past tense: {text}",
+    "Rewrite this text more formally: {text}",
+    "Fix any mistakes in this text and write it out again: {text}",
+    "Repeat this text, then summarize it in one sentence: {text}",
+    "Translate this text into simple English and keep its structure: {text}",
+    "Turn this text into a bulleted list: {text}",
+)
+
+
+def expanded_prompts() -> tuple[str, ...]:
+    """DEFAULT_PROMPTS followed by every template x subject (628 instructions)."""
+    made = [t.format(topic=s, thing=s) for t in _TEMPLATES for s in (_TOPICS if "{topic}" in t else _THINGS)]
+    made += [t.format(text=x) for t in _COPY_TEMPLATES for x in _COPY_TEXTS]
+    return DEFAULT_PROMPTS + tuple(made)
