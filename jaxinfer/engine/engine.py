@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding
@@ -45,6 +46,8 @@ from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.speculative.checkpoint import load_trained_draft
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
 from jaxinfer.speculative.drafts import DraftModel, check_draft_compatible, propose_ngram, self_draft
+from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead, load_eagle_head
+from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
 from jaxinfer.step import PrefillBatch, StepBatch, engine_step
 
@@ -147,6 +150,9 @@ class Engine:
         if sc.method == "self":
             self.draft = self_draft(mc, self.model.params, sc.self_layers)
             return
+        if sc.method == "eagle":
+            self._init_eagle(sc)
+            return
         draft = sc.draft
         if not isinstance(draft, DraftModel):
             draft = load_trained_draft(self.model, draft)
@@ -156,6 +162,20 @@ class Engine:
             self._draft_vocab = jax.device_put(np.asarray(draft.vocab_ids, np.int32))
         self.draft_kv = self._commit(init_paged_kv(
             draft.config, self.spec, kv_head_copies=sharding.kv_head_copies(draft.config.n_kv_heads, self.config.mesh)))
+
+    def _init_eagle(self, sc: SpeculativeConfig) -> None:
+        """An EAGLE head: its one layer of pages and the features each slot carries."""
+        if self.config.mesh is not None:
+            raise ValueError("an EAGLE draft head on a mesh is not supported yet: use 'ngram', 'self' or 'draft'")
+        head = sc.draft if isinstance(sc.draft, EagleHead) else load_eagle_head(self.model, sc.draft or DEFAULT_EAGLE_PATH)
+        if head.config.d_model != self.model.config.d_model or head.embed.shape != self.model.params.embed.shape:
+            raise ValueError("the EAGLE head was bound to a different target model")
+        self.draft = head
+        self._draft_vocab = jax.device_put(np.asarray(head.vocab_ids, np.int32))
+        k, d = sc.num_speculative, self.model.config.d_model
+        self.draft_kv = self._commit(EagleState(
+            kv=init_paged_kv(head.config, self.spec),
+            features=jnp.zeros((self.spec.max_slots, k + 1, d), self.model.config.jnp_dtype)))
 
     def _commit(self, kv):
         """Fresh caches committed to the params' device, as step outputs are: a jit signature
@@ -289,6 +309,11 @@ class Engine:
         blocks, accepted, prefill_next, logprobs = self._run(self._batch(plan, draft_width(drafts)), drafts)
         kept = [int(accepted[r.slot]) for r in plan.decode]
         self.scheduler.commit(plan, kept)
+        if isinstance(drafts, EagleBatch):  # the features the step stored for each row's slot
+            for req, n in zip(plan.decode, kept):
+                req.draft_carry = n + 1
+            for req, _ in plan.prefill:
+                req.draft_carry = 1
         self._steps += 1
         now = time.perf_counter()
         # (request, tokens, its row in the logprob arrays: decode [B] / blocks [B, k + 1], or prefill [P])
@@ -346,14 +371,19 @@ class Engine:
         if drafts is None:
             return self._step, (m.params, m.config, kv, self._place(batch), c.attention_impl, c.mesh)
         d = self.draft
+        if isinstance(drafts, EagleBatch):
+            return eagle_step, (m.params, m.config, kv, self._place(batch), drafts, d.params, d.lm_head,
+                                self._draft_vocab, draft_kv, d.config, c.attention_impl)
         return self._spec_step, (
             m.params, m.config, kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
             self._draft_vocab, draft_kv, None if d is None else d.config, 0 if d is None else d.shares_target_layers,
             c.attention_impl, c.mesh)
 
-    def _draft_batch(self, plan: SchedulePlan) -> DraftBatch:
+    def _draft_batch(self, plan: SchedulePlan) -> DraftBatch | EagleBatch:
         """How many drafts each decoding slot verifies; n-gram drafts are proposed here."""
         sc = self.config.speculative
+        if sc.method == "eagle":
+            return self._eagle_batch(plan)
         tokens = np.zeros((self.spec.max_slots, sc.num_speculative), np.int32)
         num_draft = np.zeros(self.spec.max_slots, np.int32)
         for req, lookahead in zip(plan.decode, plan.lookahead):
@@ -364,6 +394,23 @@ class Engine:
             else:
                 num_draft[req.slot] = lookahead
         return DraftBatch(tokens=tokens, num_draft=num_draft)
+
+    def _eagle_batch(self, plan: SchedulePlan) -> EagleBatch:
+        """The pairs each decoding slot carried (its last `draft_carry` tokens follow the
+        carried features) and which prefill rows continue a carried feature."""
+        k, b = self.config.speculative.num_speculative, self.spec.max_slots
+        head_tokens = np.zeros((b, k + 1), np.int32)
+        carried, num_draft = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for req, lookahead in zip(plan.decode, plan.lookahead):
+            c = req.draft_carry
+            if c:
+                head_tokens[req.slot, :c] = req.all_tokens[-c:]
+                carried[req.slot], num_draft[req.slot] = c, lookahead
+        prefill_carried = np.zeros(self.scheduler.max_prefill_rows, bool)
+        for (req, _), row in zip(plan.prefill, plan.prefill_rows):
+            prefill_carried[row] = req.draft_carry > 0
+        return EagleBatch(num_draft=num_draft, head_tokens=head_tokens, carried=carried,
+                          prefill_carried=prefill_carried if plan.prefill else None)
 
     def _narrowest(self, drafts: DraftBatch) -> DraftBatch | None:
         """Host drafts (n-gram) are often shorter than k: verify them in the narrowest
@@ -439,6 +486,10 @@ class Engine:
         b = self.spec.max_slots
         drafts = None if draft_width == 0 else DraftBatch(tokens=np.zeros((b, draft_width), np.int32),
                                                           num_draft=np.zeros(b, np.int32))
+        if draft_width and self.config.speculative.method == "eagle":
+            rows = self.scheduler.max_prefill_rows
+            drafts = EagleBatch(num_draft=np.zeros(b, np.int32), head_tokens=np.zeros((b, draft_width + 1), np.int32),
+                                carried=np.zeros(b, np.int32), prefill_carried=np.zeros(rows, bool) if with_prefill else None)
         abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
         fn, args = self._program(self._idle_batch(width, with_prefill), drafts, abstract(self.kv),
                                  None if self.draft_kv is None else abstract(self.draft_kv))
@@ -561,8 +612,10 @@ class Engine:
         )
 
 
-def draft_width(drafts: DraftBatch | None) -> int:
-    return 0 if drafts is None else drafts.tokens.shape[1]
+def draft_width(drafts: DraftBatch | EagleBatch | None) -> int:
+    if drafts is None:
+        return 0
+    return drafts.width if isinstance(drafts, EagleBatch) else drafts.tokens.shape[1]
 
 
 def program_key(batch: StepBatch, drafts: DraftBatch | None) -> ProgramKey:

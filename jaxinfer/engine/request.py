@@ -85,6 +85,9 @@ class Request:
         self.pages: list[int] = []
         self.num_registered_pages = 0  # leading pages already entered in the prefix cache
         self.slot: int | None = None
+        # EAGLE: target features of this many last positions wait in the draft state of the
+        # slot (0: none; the slot's release drops them)
+        self.draft_carry = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.block_hashes: list[bytes] | None = None  # computed on first admission

@@ -324,3 +324,4 @@ class Scheduler:
         req.num_registered_pages = 0
         self.free_slots.append(req.slot)
         req.slot = None
+        req.draft_carry = 0

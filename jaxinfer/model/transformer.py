@@ -154,10 +154,25 @@ def forward_groups(
     `params.layers` and `kv.layers` must share a layout: both per layer, or both stacked in
     the same runs (`jaxinfer.model.stacking`); each run is one `lax.scan`.
     """
+    logits, _, kv = forward_hidden(params, config, kv, groups, attention_impl, mesh)
+    return logits, kv
+
+
+def forward_hidden(
+    params: ModelParams, config: ModelConfig, kv: PagedKVState, groups: tuple[TokenGroup, ...],
+    attention_impl: str = "reference", mesh: jax.sharding.Mesh | None = None,
+    inputs: jax.Array | None = None,  # [N, D]: the first layer's input (flattened groups) instead of embeddings
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], PagedKVState]:
+    """`forward_groups` that also returns each group's hidden states [B, T, D]: the residual
+    stream after the last layer, before the final norm (the features an EAGLE draft head
+    reads, `jaxinfer.speculative.eagle`). XLA drops them where the caller does not use them.
+    `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_dim
     inv_freq = rope_inv_freq(rope_dim, config.rope_theta, config.rope_scaling)
-    x = _flat([params.embed[g.tokens] for g in groups]).astype(config.jnp_dtype)  # [N, D]
+    if inputs is None:
+        inputs = _flat([params.embed[g.tokens] for g in groups])
+    x = inputs.astype(config.jnp_dtype)  # [N, D]
 
     def decoder_layer(x, layer, layer_kv, window):  # [N, D] -> [N, D], the layer's new cache
         h, layer_kv = attention_block(config, layer, layer_kv, rms_norm(x, layer.attn_norm, config.rms_eps), groups,
@@ -174,6 +189,7 @@ def forward_groups(
             x, layer_kv = decoder_layer(x, layer, layer_kv, config.window(first))
         caches.append(layer_kv)
     kv = dataclasses.replace(kv, layers=tuple(caches))
+    hidden = _split(x, groups)
     x = rms_norm(x, params.final_norm, config.rms_eps)
 
     logits = []
@@ -184,7 +200,7 @@ def forward_groups(
     lengths = kv.lengths
     for g in groups:
         lengths = lengths.at[g.slots].add(g.num_new)
-    return tuple(logits), dataclasses.replace(kv, lengths=lengths)
+    return tuple(logits), tuple(hidden), dataclasses.replace(kv, lengths=lengths)
 
 
 def _entries(config: ModelConfig, params: ModelParams, kv: PagedKVState):

@@ -9,8 +9,9 @@ import numpy as np
 
 from jaxinfer.speculative.checkpoint import DEFAULT_DRAFT_PATH
 from jaxinfer.speculative.drafts.model import DraftModel
+from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead
 
-METHODS = ("ngram", "self", "draft")
+METHODS = ("ngram", "self", "draft", "eagle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,9 @@ class SpeculativeConfig:
     - "self": the target's first `self_layers` layers + final norm + LM head (no new weights).
     - "draft": a `DraftModel` sharing the target's tokenizer, or a path to a checkpoint
       written by `jaxinfer train-draft` (e.g. the shipped `checkpoints/smollm2_draft`).
+    - "eagle": a one-layer EAGLE head over the target's own features
+      (`jaxinfer.speculative.eagle`): an `EagleHead`, a path written by
+      `jaxinfer train-draft --kind eagle`, or None for the shipped `checkpoints/smollm2_eagle`.
 
     `num_speculative` (k) is fixed per engine: every step verifies up to k drafts per slot.
 
@@ -35,7 +39,7 @@ class SpeculativeConfig:
     method: str
     num_speculative: int = 4
     self_layers: int = 4
-    draft: DraftModel | str | Path | None = dataclasses.field(default=None, repr=False)
+    draft: DraftModel | EagleHead | str | Path | None = dataclasses.field(default=None, repr=False)
     ngram_max: int = 3
     ngram_min: int = 2
 
@@ -51,15 +55,18 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str, num_speculative: int = 4) -> SpeculativeConfig:
-        """CLI form: 'ngram', 'self:N' or 'draft:PATH' ('draft' alone: the shipped draft)."""
+        """CLI form: 'ngram', 'self:N', 'draft:PATH' or 'eagle:PATH' ('draft' / 'eagle' alone:
+        the shipped checkpoint)."""
         method, _, arg = text.partition(":")
         if method == "self":
             return cls("self", num_speculative, self_layers=int(arg) if arg else 4)
         if method == "draft":
             return cls("draft", num_speculative, draft=arg or str(DEFAULT_DRAFT_PATH))
+        if method == "eagle":
+            return cls("eagle", num_speculative, draft=arg or str(DEFAULT_EAGLE_PATH))
         if method == "ngram" and not arg:
             return cls("ngram", num_speculative)
-        raise ValueError(f"--speculative {text!r}: expected 'ngram', 'self:N' or 'draft[:PATH]'")
+        raise ValueError(f"--speculative {text!r}: expected 'ngram', 'self:N', 'draft[:PATH]' or 'eagle[:PATH]'")
 
 
 @dataclasses.dataclass

@@ -43,8 +43,9 @@ def dense_attention(config: ModelConfig, layer: LayerParams, x: jax.Array, inv_f
     return linear(out.reshape(b, t, c.n_heads * c.head_dim), layer.wo)
 
 
-def dense_hidden(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Final-normed hidden states of whole sequences: tokens i32[B, T] -> [B, T, D].
+def dense_features(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The residual stream after the last layer (before the final norm): tokens i32[B, T] ->
+    [B, T, D], the features an EAGLE head reads (`jaxinfer.model.forward_hidden` in serving).
 
     The same layer math as `transformer.forward_groups`, but dense and differentiable
     (no paged cache). Right-padding is harmless: position t sees only tokens <= t.
@@ -56,7 +57,12 @@ def dense_hidden(params: ModelParams, config: ModelConfig, tokens: jax.Array) ->
         mask = causal_mask(tokens.shape[1], c.window(i))
         x = x + dense_attention(c, layer, rms_norm(x, layer.attn_norm, c.rms_eps), inv_freq, mask)
         x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
-    return rms_norm(x, params.final_norm, c.rms_eps)
+    return x
+
+
+def dense_hidden(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Final-normed hidden states of whole sequences: tokens i32[B, T] -> [B, T, D]."""
+    return rms_norm(dense_features(params, config, tokens), params.final_norm, config.rms_eps)
 
 
 def dense_logits(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:

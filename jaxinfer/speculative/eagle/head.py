@@ -1,0 +1,106 @@
+"""The EAGLE draft head: one decoder layer over the target's own features.
+
+At pair position i the head reads the target's feature f_i (its residual stream after
+the last layer, before the final norm: `jaxinfer.model.forward_hidden`) and the
+embedding of the token x_{i+1} that follows, and predicts the next feature f_{i+1}::
+
+    x_i   = fc([rms_norm(embed(x_{i+1})), rms_norm(f_i)])          fc: [D, 2D]
+    f'_{i+1} = decoder_layer(x_i | the head's own paged KV at positions <= i)
+    logits = rms_norm(f'_{i+1}) @ embed[vocab_ids].T                the target's head, over a subset
+
+Drafting feeds its own predictions back: the pair (f'_{i+1}, d_{i+2}) at position i + 1
+drafts the token after d_{i+2}, and so on (EAGLE, Li et al. 2024). The head never sees its
+own mistakes at training unless it is trained on them, which is what EAGLE-3's
+"training-time test" does (`jaxinfer.speculative.train.eagle`).
+
+The head shares the target's embedding, tokenizer and (cut to `vocab_ids`, FR-Spec) LM
+head; only `EagleParams` are trained and stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.layer_stack import slice_layers, unstack
+from jaxinfer.loading import Model
+from jaxinfer.model.layers import linear, rms_norm
+from jaxinfer.model.params import LayerParams, ModelParams
+
+
+@struct.dataclass
+class EagleParams:
+    """What an EAGLE head trains (D = the target's d_model)."""
+
+    embed_norm: jax.Array  # f32[D]: RMS-norm weight of the next token's embedding
+    feature_norm: jax.Array  # f32[D]: RMS-norm weight of the feature (its scale differs from embeddings')
+    fc: jax.Array  # f32[D, 2D]: fuses [embedding, feature] into the layer's input ([out, in] layout)
+    layer: LayerParams  # one decoder layer at the target's shapes
+    final_norm: jax.Array  # f32[D]: before the (frozen) LM head
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleHead:
+    """A trained head bound to its target: `params` plus the frozen parts it borrows.
+
+    `config` is the target's with one layer (the head's paged KV is allocated from it);
+    `lm_head` is the target's head rows `vocab_ids` (f32[Vd, D]); `embed` the target's
+    embedding (the same array, not a copy)."""
+
+    config: ModelConfig
+    params: EagleParams
+    vocab_ids: np.ndarray  # i32[Vd]: target token id of each head logit
+    embed: jax.Array  # [V, D]
+    lm_head: jax.Array  # [Vd, D]
+    name: str = "eagle"
+
+    @property
+    def model_params(self) -> ModelParams:
+        """The head as a one-layer model (`forward_hidden` with `inputs=` runs it)."""
+        return ModelParams(embed=self.embed, layers=(self.params.layer,), final_norm=self.params.final_norm,
+                           lm_head=self.lm_head)
+
+
+def head_config(target_config: ModelConfig) -> ModelConfig:
+    """The head's config: the target's shapes with one full-attention layer."""
+    return target_config.replace(n_layers=1, layer_windows=())
+
+
+def head_inputs(params: EagleParams, embed: jax.Array, tokens: jax.Array, features: jax.Array, eps: float) -> jax.Array:
+    """The layer's input at each pair: tokens i32[...], features f[..., D] -> f32[..., D]."""
+    e = rms_norm(embed[tokens].astype(jnp.float32), params.embed_norm, eps)
+    f = rms_norm(features.astype(jnp.float32), params.feature_norm, eps)
+    return linear(jnp.concatenate([e, f], axis=-1), params.fc)
+
+
+def init_eagle_params(target: Model, seed: int = 0) -> EagleParams:
+    """A starting point for training: the target's last layer (it already maps features to
+    features), fc passing the feature through plus a small random read of the embedding,
+    and the target's final norm on both ends."""
+    tc, tp = target.config, target.params
+    d = tc.d_model
+    rng = np.random.default_rng(seed)
+    fc = np.concatenate([0.02 * rng.standard_normal((d, d)), np.eye(d)], axis=1).astype(np.float32)  # [D, 2D]
+    last = unstack(slice_layers(tp.layers, tc.n_layers - 1, tc.n_layers))[0]
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    return EagleParams(embed_norm=jnp.ones((d,), jnp.float32), feature_norm=f32(tp.final_norm), fc=jnp.asarray(fc),
+                       layer=jax.tree.map(f32, last), final_norm=f32(tp.final_norm))
+
+
+def bind_head(target: Model, params: EagleParams, vocab_ids: np.ndarray, name: str = "eagle") -> EagleHead:
+    """An `EagleHead` for `target` from trained params and its vocabulary subset (in the target's dtype)."""
+    tc, tp = target.config, target.params
+    ids = np.asarray(vocab_ids, np.int32)
+    if ids.ndim != 1 or len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= tc.vocab_size:
+        raise ValueError(f"vocab_ids must be distinct token ids in [0, {tc.vocab_size})")
+    if tc.mla is not None:
+        raise ValueError("an EAGLE head for an MLA target is not supported")
+    head = tp.embed if tp.lm_head is None else tp.lm_head
+    dtype = tc.jnp_dtype
+    return EagleHead(config=head_config(tc), params=jax.tree.map(lambda a: jnp.asarray(a, dtype), params),
+                     vocab_ids=ids, embed=tp.embed, lm_head=jnp.asarray(head[ids]), name=name)

@@ -1,0 +1,189 @@
+"""The jitted EAGLE step: draft with the head, verify with the target, keep the features.
+
+The head's pair at position i needs the target's feature f_i and the token x_{i+1}, so a
+pair becomes computable one step after its feature: the target computes f_L .. f_{L+k}
+for a slot's verify block [x_L, d_1 .. d_k], verification keeps n drafts, and only then
+are x_{L+1} .. x_{L+n+1} known. Each step therefore
+
+1. runs the head over the pairs its slot carried from the previous step (`EagleState.
+   features` f_{L-c} .. f_{L-1}, tokens x_{L-c+1} .. x_L from the host: c = n + 1 of that
+   step) in one block, which writes their K/V into the head's pages and predicts the first
+   draft, then k - 1 more single-token head forwards on its own predicted features;
+2. runs the target over every slot's [x_L, d_1 .. d_k] and the prefill rows, keeping its
+   hidden states;
+3. verifies (`verify_step`, exact for every sampling setting);
+4. runs the head over the prefill rows' pairs (all but the chunk's last token's, whose
+   next token is not known yet) and stores the features to carry: the decode block's
+   f_L .. f_{L+k} per slot, or a prefill row's last feature.
+
+The head's pages share the target's block tables (one page id, two pools), and like the
+target's they need no undo: pairs written at draft positions are rewritten with the true
+features by the next step's block, and lengths mask everything past them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv.paged_state import PagedKVState
+from jaxinfer.model import ModelParams, TokenGroup, forward_hidden
+from jaxinfer.sampling import row_keys, token_logprobs
+from jaxinfer.speculative.drafts.propose import sample_draft
+from jaxinfer.speculative.eagle.head import EagleParams, head_inputs
+from jaxinfer.speculative.step import SpeculativeOutput
+from jaxinfer.speculative.verify import Proposal, verify_step
+from jaxinfer.step import StepBatch, prefill_groups, prefill_logprobs, sample_prefill
+
+
+@struct.dataclass
+class EagleState:
+    """The head's device state, donated and returned by every step like the target's cache."""
+
+    kv: PagedKVState  # the head's one layer of pages (the target's page ids and block tables)
+    features: jax.Array  # f[max_slots, k + 1, D]: target features each slot carries to its next step
+
+
+@struct.dataclass
+class EagleBatch:
+    """What the host tells the step about drafting (`Engine._draft_batch`)."""
+
+    num_draft: jax.Array  # i32[max_slots]: drafts to verify per decoding slot (0 = plain decode)
+    # i32[max_slots, k + 1]: the tokens after the carried features, left-aligned: the slot's
+    # last `carried` tokens (its pending token last)
+    head_tokens: jax.Array
+    carried: jax.Array  # i32[max_slots]: carried pairs per slot (0: none, the slot cannot draft)
+    prefill_carried: jax.Array | None = None  # bool[P]: the prefill row continues a carried feature
+
+    @property
+    def width(self) -> int:
+        return self.head_tokens.shape[1] - 1
+
+
+def _head_forward(head: EagleParams, embed: jax.Array, lm_head: jax.Array, config: ModelConfig, hkv: PagedKVState,
+                  group: TokenGroup, features: jax.Array, attention_impl: str):
+    """One head forward over a group of pairs -> (logits f32[B, Vd] at `logits_index`,
+    predicted features [B, T, D], the head's cache)."""
+    x = head_inputs(head, embed, group.tokens, features, config.rms_eps)  # [B, T, D]
+    model = ModelParams(embed=embed, layers=(head.layer,), final_norm=head.final_norm, lm_head=lm_head)
+    (logits,), (hidden,), hkv = forward_hidden(model, config, hkv, (group,), attention_impl,
+                                               inputs=x.reshape(-1, x.shape[-1]))
+    return logits, hidden, hkv
+
+
+def propose_eagle(head: EagleParams, embed: jax.Array, lm_head: jax.Array, vocab: jax.Array, config: ModelConfig,
+                  state: EagleState, batch: StepBatch, drafts: EagleBatch, num_draft: jax.Array, keys: jax.Array,
+                  attention_impl: str) -> tuple[Proposal, PagedKVState]:
+    """k drafts per slot: the carried pairs in one block, then k - 1 pairs of the head's
+    own predictions -> (Proposal(i32[B, k], q f32[B, k, V]), the head's cache)."""
+    b, k = num_draft.shape[0], drafts.width
+    slots = jnp.arange(b, dtype=jnp.int32)
+    carried = jnp.where(batch.decode_active, drafts.carried, 0)  # i32[B]
+    start = batch.lengths - carried  # head position of the first carried pair
+    hkv = dataclasses.replace(state.kv, block_tables=batch.block_tables, lengths=start)
+    group = TokenGroup(tokens=drafts.head_tokens, positions=start[:, None] + jnp.arange(k + 1, dtype=jnp.int32),
+                       slots=slots, num_new=carried, logits_index=jnp.maximum(carried - 1, 0), by_replica=True)
+    logits, hidden, hkv = _head_forward(head, embed, lm_head, config, hkv, group, state.features, attention_impl)
+    feature = jnp.take_along_axis(hidden, jnp.maximum(carried - 1, 0)[:, None, None], axis=1)  # [B, 1, D]
+    tokens, probs = [], []
+    for j in range(k):
+        step_keys = jax.vmap(lambda key: jax.random.fold_in(key, j))(keys)
+        index, q = sample_draft(logits, batch.sampling, step_keys)  # i32[B], f32[B, Vd]
+        tokens.append(vocab[index])
+        probs.append(jnp.zeros((b, embed.shape[0]), q.dtype).at[:, vocab].set(q))
+        if j == k - 1:
+            break
+        # pair (f'_{L+j}, d_{j+1}) at position L + j drafts d_{j+2}; only rows that verify it write
+        group = TokenGroup(tokens=tokens[-1][:, None], positions=(batch.lengths + j)[:, None], slots=slots,
+                           num_new=(batch.decode_active & (j + 1 < num_draft)).astype(jnp.int32),
+                           logits_index=jnp.zeros_like(slots), by_replica=True)
+        logits, feature, hkv = _head_forward(head, embed, lm_head, config, hkv, group, feature, attention_impl)
+    return Proposal(jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)), hkv
+
+
+def _prefill_pairs(head: EagleParams, embed: jax.Array, lm_head: jax.Array, config: ModelConfig, hkv: PagedKVState,
+                   batch: StepBatch, drafts: EagleBatch, features: jax.Array, carried_features: jax.Array,
+                   attention_impl: str) -> PagedKVState:
+    """The head over a prefill chunk's pairs: (carried f_{s-1}, x_s) when the row carries one,
+    then (f_i, x_{i+1}) within the chunk. features: [P, C, D], the target's over the chunk."""
+    p = batch.prefill
+    chunk = p.tokens.shape[1]
+    carry = drafts.prefill_carried & (p.num_new > 0)  # bool[P]
+    shifted_features = jnp.concatenate([carried_features[p.slots, 0][:, None], features[:, :-1]], axis=1)
+    pair_features = jnp.where(carry[:, None, None], shifted_features, features)  # [P, C, D]
+    pair_tokens = jnp.where(carry[:, None], p.tokens, jnp.concatenate([p.tokens[:, 1:], p.tokens[:, :1]], axis=1))
+    num_pairs = jnp.where(p.num_new > 0, p.num_new - 1 + carry, 0)
+    start = batch.lengths[p.slots] - carry
+    hkv = dataclasses.replace(hkv, lengths=hkv.lengths.at[p.slots].set(start))
+    group = TokenGroup(tokens=pair_tokens, positions=start[:, None] + jnp.arange(chunk, dtype=jnp.int32),
+                       slots=p.slots, num_new=num_pairs, logits_index=jnp.zeros_like(p.slots), by_replica=True)
+    _, _, hkv = _head_forward(head, embed, lm_head, config, hkv, group, pair_features, attention_impl)
+    return hkv
+
+
+def _carry(features: jax.Array, batch: StepBatch, block_hidden: jax.Array, prefill_hidden: jax.Array | None
+           ) -> jax.Array:
+    """The features each slot carries: its verify block's (decoding slots) or its prefill
+    chunk's last (prefilled slots); other slots keep theirs. -> f[B, k + 1, D]"""
+    new = jnp.where(batch.decode_active[:, None, None], block_hidden.astype(features.dtype), features)
+    if prefill_hidden is None:
+        return new
+    p = batch.prefill
+    last = jnp.take_along_axis(prefill_hidden, jnp.maximum(p.num_new - 1, 0)[:, None, None], axis=1)[:, 0]  # [P, D]
+    # slot b <- its prefill row; idle rows (num_new 0) all point at some slot and must not
+    # win a scatter, so match rows to slots with a mask
+    match = (p.slots[None, :] == jnp.arange(features.shape[0])[:, None]) & (p.num_new > 0)[None, :]  # bool[B, P]
+    row = jnp.argmax(match, axis=1)
+    return new.at[:, 0].set(jnp.where(match.any(axis=1)[:, None], last[row].astype(features.dtype), new[:, 0]))
+
+
+JIT_OPTIONS = dict(static_argnames=("config", "head_config", "attention_impl"), donate_argnames=("kv", "state"))
+
+
+@functools.partial(jax.jit, **JIT_OPTIONS)
+def eagle_step(
+    params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch, drafts: EagleBatch,
+    head: EagleParams,
+    head_lm: jax.Array,  # [Vd, D]: the target's head rows `vocab`
+    vocab: jax.Array,  # i32[Vd]
+    state: EagleState,
+    head_config: ModelConfig,
+    attention_impl: str = "reference",
+) -> tuple[PagedKVState, EagleState, SpeculativeOutput]:
+    """Draft with the head, verify with the target, run the head over the prefill rows and
+    carry the features; donates both caches. Outputs as `speculative_step`'s."""
+    host_owned = (kv.block_tables, kv.lengths)
+    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    decoding = batch.decode_active & (drafts.carried > 0)
+    num_draft = jnp.where(decoding, drafts.num_draft, 0)  # i32[B]
+    k = drafts.width
+    verify_keys, draft_keys = jnp.moveaxis(  # two independent streams per row (as in `speculative_step`)
+        jax.vmap(jax.random.split)(row_keys(batch.sampling.seed, batch.lengths + 1)), 1, 0)
+
+    proposal, hkv = propose_eagle(head, params.embed, head_lm, vocab, head_config, state, batch, drafts, num_draft,
+                                  draft_keys, attention_impl)
+    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
+    block = TokenGroup(
+        tokens=jnp.concatenate([batch.decode_tokens[:, None], proposal.tokens], axis=1),  # i32[B, k + 1]
+        positions=batch.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32), slots=slots,
+        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), by_replica=True,
+    )
+    logits, hidden, kv = forward_hidden(params, config, kv, (block,) + prefill_groups(batch), attention_impl)
+    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, batch.sampling, verify_keys)
+    prefill_next = sample_prefill(logits, batch, kv.lengths)
+    prefill_hidden = None
+    if batch.prefill is not None:
+        prefill_hidden = hidden[1]
+        hkv = _prefill_pairs(head, params.embed, head_lm, head_config, hkv, batch, drafts, prefill_hidden,
+                             state.features, attention_impl)
+    state = EagleState(kv=dataclasses.replace(hkv, block_tables=state.kv.block_tables, lengths=state.kv.lengths),
+                       features=_carry(state.features, batch, hidden[0], prefill_hidden))
+    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
+    return kv, state, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
+                                        logprobs=token_logprobs(logits[0], tokens),
+                                        prefill_logprobs=prefill_logprobs(logits, prefill_next))

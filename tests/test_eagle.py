@@ -1,0 +1,164 @@
+"""EAGLE draft head: training's unrolled head is the head inference runs; exact speculation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.kv import KVCacheSpec, init_paged_kv
+from jaxinfer.loading import Model
+from jaxinfer.model import TokenGroup
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.speculative import SpeculativeConfig
+from jaxinfer.speculative.eagle import bind_head, init_eagle_params, load_eagle_head, save_eagle_head
+from jaxinfer.speculative.eagle.step import _head_forward
+from jaxinfer.speculative.train.dense import dense_features
+from jaxinfer.speculative.train.eagle import ttt_logits
+from tiny_models import random_tokens, tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    config, params = tiny_model(max_position=512)
+    return Model(config=config, params=params, tokenizer=None)
+
+
+def random_head(model: Model, seed: int = 0, subset: bool = True):
+    """A head with random (not the init's near-identity) weights, so every part matters."""
+    params = init_eagle_params(model, seed)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    params = jax.tree.unflatten(tree, [a + 0.3 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+    ids = np.arange(0, model.config.vocab_size, 2) if subset else np.arange(model.config.vocab_size)
+    return bind_head(model, params, ids)
+
+
+@pytest.mark.parametrize("context", [1, 5, 12])
+def test_training_unroll_matches_inference_drafting(model, context):
+    """ttt_logits step j at pair t == the head drafting j steps past a context of t - j + 1
+    true pairs over its paged cache (the training-time test trains what inference runs)."""
+    head = random_head(model)
+    c, steps, t = model.config, 3, 20
+    tokens = random_tokens((1, t), c.vocab_size, seed=context)
+    features = dense_features(model.params, c, jnp.asarray(tokens))  # [1, T, D]
+    trained = ttt_logits(head.params, head.embed, head.lm_head, c, jnp.asarray(tokens), features, steps)
+
+    spec = KVCacheSpec.for_batch(1, 64, page_size=8)
+    hkv = init_paged_kv(head.config, spec)
+    hkv = hkv.replace(block_tables=jnp.arange(1, spec.num_pages, dtype=jnp.int32).reshape(1, -1))
+    slots = jnp.zeros(1, jnp.int32)
+    # the accepted context: pairs (f_i, x_{i+1}) for i < context, in one block
+    group = TokenGroup(tokens=jnp.asarray(tokens[:, 1 : context + 1]), positions=jnp.arange(context)[None],
+                       slots=slots, num_new=jnp.asarray([context]), logits_index=jnp.asarray([context - 1]))
+    logits, hidden, hkv = _head_forward(head.params, head.embed, head.lm_head, head.config, hkv, group,
+                                        features[:, :context], "reference")
+    feature = hidden[:, -1:]
+    for j in range(steps):
+        pair = context - 1 + j
+        np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(trained[j][0, pair]), rtol=1e-4, atol=1e-4)
+        group = TokenGroup(tokens=jnp.asarray(tokens[:, pair + 2 : pair + 3]), positions=jnp.asarray([[pair + 1]]),
+                           slots=slots, num_new=jnp.ones(1, jnp.int32), logits_index=jnp.zeros(1, jnp.int32))
+        logits, feature, hkv = _head_forward(head.params, head.embed, head.lm_head, head.config, hkv, group, feature,
+                                             "reference")
+
+
+def engine(model, speculative=None, **kw) -> Engine:
+    return Engine(model, EngineConfig(**({"max_slots": 4, "page_size": 8, "prefill_chunk": 8, "max_model_len": 64,
+                                          "speculative": speculative} | kw)))
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    out = [rng.integers(0, 97, int(rng.integers(1, 40))).tolist() for _ in range(n)]
+    shared = rng.integers(0, 97, 17).tolist()
+    return out + [shared + [1, 2], shared + [3]]  # a shared prefix for the prefix cache
+
+
+@pytest.mark.parametrize("settings", [dict(num_pages=9), dict(kv_cache="int8"), dict(layer_loop="scan")],
+                         ids=["preemption+prefix-cache", "int8", "scan"])
+def test_greedy_eagle_speculation_equals_plain_decoding(model, settings):
+    plain = [o.token_ids for o in engine(model, **settings).generate(prompts(8), GREEDY)]
+    eng = engine(model, SpeculativeConfig("eagle", 3, draft=random_head(model)), **settings)
+    assert [o.token_ids for o in eng.generate(prompts(8), GREEDY)] == plain
+    stats = eng.metrics().speculative
+    assert stats.drafted.sum() > 0
+    if "num_pages" in settings:
+        assert eng.metrics().preemptions > 0
+
+
+def test_eagle_compiles_nothing_after_warmup_and_honours_opt_out(model):
+    eng = engine(model, SpeculativeConfig("eagle", 3, draft=random_head(model)), num_pages=9)
+    eng.warmup()
+    before = eng.metrics().compiled_programs
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(0, 97, int(rng.integers(1, 34))).tolist() for _ in range(20)]
+    sp = [SamplingParams(temperature=float(rng.choice([0.0, 1.0])), top_k=int(rng.integers(0, 5)),
+                         max_tokens=int(rng.integers(1, 30)), ignore_eos=True, seed=i,
+                         speculative=bool(i % 3)) for i in range(20)]
+    outs = eng.generate(ps, sp)
+    assert eng.metrics().compiled_programs == before
+    assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, sp))
+    opted_out = [o.metrics.speculative for o, p in zip(outs, sp) if not p.speculative]
+    assert all(s is None or s.drafted.sum() == 0 for s in opted_out)
+
+
+def test_bad_eagle_heads_are_rejected(model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an EAGLE head"):
+        engine(model, SpeculativeConfig("eagle", 2, draft=tmp_path))
+    other = Model(*tiny_model(seed=5, max_position=512, d_model=48, head_dim=12), None)
+    with pytest.raises(ValueError, match="different target"):
+        engine(model, SpeculativeConfig("eagle", 2, draft=random_head(other)))
+    assert SpeculativeConfig.parse("eagle:/x", 3).draft == "/x"
+
+
+# ---- the sampled distribution, end to end (helpers shared with test_speculative_engine) -------
+
+
+def test_sampled_eagle_speculation_keeps_the_target_distribution():
+    from test_speculative_engine import SETTINGS, VOCAB, chi_square_p, exact_first_three, first_three
+
+    target = Model(*tiny_model(seed=3, vocab_size=VOCAB, max_position=64), None)
+    head = random_head(target, seed=2, subset=False)
+    for setting in ("temperature-1", "top-p-0.7"):
+        expected, allowed = exact_first_three(target, SETTINGS[setting])
+        cells = first_three(target, SETTINGS[setting], SpeculativeConfig("eagle", 3, draft=head))
+        assert allowed[cells].all()
+        assert chi_square_p(cells, expected) > 1e-3, setting
+
+
+def test_the_chi_square_check_catches_a_misreported_eagle_q(monkeypatch):
+    """Power: a head that reports a q other than the one it sampled from is caught."""
+    import jaxinfer.speculative.eagle.step as eagle_step
+    from test_speculative_engine import SETTINGS, VOCAB, chi_square_p, exact_first_three, first_three
+
+    target = Model(*tiny_model(seed=3, vocab_size=VOCAB, max_position=64), None)
+    head = random_head(target, seed=2, subset=False)
+    expected, _ = exact_first_three(target, SETTINGS["temperature-1"])
+    honest = eagle_step.sample_draft
+    monkeypatch.setattr(eagle_step, "sample_draft", lambda *a: (lambda i, q: (i, jnp.roll(q, 1, axis=-1)))(*honest(*a)))
+    jax.clear_caches()
+    try:
+        cells = first_three(target, SETTINGS["temperature-1"], SpeculativeConfig("eagle", 3, draft=head))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert chi_square_p(cells, expected) < 1e-3
+
+
+def test_an_eagle_head_round_trips_through_its_checkpoint(model, tmp_path):
+    head = random_head(model)
+    save_eagle_head(head.params, head.vocab_ids, model, tmp_path / "head", figures={"note": "test"})
+    loaded = load_eagle_head(model, tmp_path / "head")
+    np.testing.assert_array_equal(loaded.vocab_ids, head.vocab_ids)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(head.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b.astype(jnp.bfloat16).astype(a.dtype)))
+    other = Model(dataclasses.replace(model.config, d_model=48), model.params, None)
+    with pytest.raises(ValueError, match="d_model"):
+        load_eagle_head(other, tmp_path / "head")
