@@ -18,7 +18,7 @@ EXAMPLES = """examples:
   jaxinfer generate --raw --temperature 0.8 --seed 1 "Once upon a time"
   jaxinfer generate --model ./my-llama-dir "Hello"
   jaxinfer generate --mesh data=2,model=4 "Hello"   # 8 devices: 2-way data x 4-way tensor parallel
-  jaxinfer generate --speculative ngram --num-speculative 4 "Repeat: a b c d"   # also self:8, draft
+  jaxinfer generate --speculative ngram --num-speculative 4 "Repeat: a b c d"   # also self:8, draft, eagle
   jaxinfer convert model.gguf ./model-orbax     # orbax reloads faster than GGUF
   jaxinfer serve --port 8000 --api-key sk-local    # OpenAI-compatible API on 127.0.0.1
   jaxinfer calibrate-kv --budget-kl 0.01 --out plan.json   # per-layer KV-cache formats within a KL budget
@@ -44,8 +44,9 @@ def _add_compilation_cache_flag(p: argparse.ArgumentParser) -> None:
 
 def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="SOURCE",
-                   help="speculative decoding: 'ngram' (prompt lookup), 'self:N' (the model's first N layers) or "
-                   "'draft[:DIR]' (a trained draft; default checkpoints/smollm2_draft)")
+                   help="speculative decoding: 'ngram' (prompt lookup), 'self:N' (the model's first N layers), "
+                   "'draft[:DIR]' (a trained draft; default checkpoints/smollm2_draft) or 'eagle[:DIR]' (an EAGLE "
+                   "head over the model's features; default checkpoints/smollm2_eagle)")
     p.add_argument("--num-speculative", type=int, default=4, help="draft tokens verified per step (k)")
 
 
@@ -117,16 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--formats", default="f32,bf16,int8,fp8_e4m3,fp8_e5m2,int4,int2", help="candidate formats")
     cal.add_argument("--probe", default="int4", help="format whose per-layer KL is measured; 'none' to skip")
     cal.add_argument("--margin", type=float, default=0.8, help="the plan's measured KL must be <= margin * budget")
-    td = sub.add_parser("train-draft", help="train a small draft model for speculative decoding (self-distillation)",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    td = sub.add_parser("train-draft", help="train a draft for speculative decoding (self-distillation): a small "
+                        "model, or an EAGLE head over the target's features", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     td.add_argument("--model", help="the target model (see `generate --model`); default: SmolLM2-135M-Instruct")
     td.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    td.add_argument("--layers", type=int, default=2, help="draft layers, initialised from the target's first ones")
+    td.add_argument("--kind", choices=("draft", "eagle"), default="draft",
+                    help="'draft': a small model from the target's first layers; 'eagle': a one-layer head over "
+                         "the target's features, trained with EAGLE-3's training-time test")
+    td.add_argument("--layers", type=int, default=2, help="(draft) layers, initialised from the target's first ones")
     td.add_argument("--vocab-subset", type=int, default=8192, help="LM head size: the most frequent training tokens")
-    td.add_argument("--prompts", type=int, default=100, help="built-in instructions the target answers")
+    td.add_argument("--prompts", type=int, help="built-in instructions the target answers (default: 100 for a "
+                    "draft, all 628 of the expanded set for eagle)")
     td.add_argument("--new-tokens", type=int, default=192, help="tokens generated per prompt and temperature")
-    td.add_argument("--epochs", type=int, default=8)
-    td.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (cosine schedule)")
+    td.add_argument("--epochs", type=int, help="default: 8 (draft), 2 (eagle)")
+    td.add_argument("--lr", type=float, help="peak AdamW learning rate, cosine schedule (default: 2e-3 draft, 1e-3 eagle)")
+    td.add_argument("--ttt-steps", type=int, default=3, help="(eagle) head steps unrolled on its own predictions")
+    td.add_argument("--sequences", help="(eagle) .npz cache of the generated text: read if it exists, else written")
     td.add_argument("--seed", type=int, default=0)
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -269,15 +276,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_train_draft(args: argparse.Namespace) -> None:
     import os
 
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        raise ValueError(f"--out {args.out} is not empty")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    given = {name: value for name, value in (("num_prompts", args.prompts), ("epochs", args.epochs), ("lr", args.lr))
+             if value is not None}
+    model = _load(args.model, "float32")
+    if args.kind == "eagle":
+        from jaxinfer.speculative.eagle import save_eagle_head
+        from jaxinfer.speculative.train.eagle import EagleTrainingConfig, train_eagle
+
+        cfg = EagleTrainingConfig(vocab_subset=args.vocab_subset, new_tokens=args.new_tokens, ttt_steps=args.ttt_steps,
+                                  seed=args.seed, **given)
+        params, vocab_ids, figures = train_eagle(model, cfg, sequences_file=args.sequences, log=log)
+        save_eagle_head(params, vocab_ids, model, args.out, figures)
+        print(f"held-out agreement per draft position {figures['init_held_out_agreement']} (untrained) -> "
+              f"{figures['final_held_out_agreement']}; wrote {args.out}", file=sys.stderr)
+        return
     from jaxinfer.speculative.checkpoint import save_trained_draft
     from jaxinfer.speculative.train import DraftTrainingConfig, train_draft
 
-    cfg = DraftTrainingConfig(n_layers=args.layers, vocab_subset=args.vocab_subset, num_prompts=args.prompts,
-                              new_tokens=args.new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed)
-    if os.path.isdir(args.out) and os.listdir(args.out):
-        raise ValueError(f"--out {args.out} is not empty")
-    model = _load(args.model, "float32")
-    draft, figures = train_draft(model, cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    cfg = DraftTrainingConfig(n_layers=args.layers, vocab_subset=args.vocab_subset, new_tokens=args.new_tokens,
+                              seed=args.seed, **given)
+    draft, figures = train_draft(model, cfg, log=log)
     save_trained_draft(draft, model, args.out, figures)
     print(f"held-out greedy top-1 agreement {figures['init_held_out_top1']:.4f} (untrained) -> "
           f"{figures['final_held_out_top1']:.4f}; wrote {args.out}", file=sys.stderr)

@@ -205,7 +205,7 @@ def held_out_agreement(evaluate, params: EagleParams, targets: dict[str, np.ndar
 
 
 def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
-                prompts: Sequence[str] | None = None, sequences_file: str | None = None,
+                prompts: Sequence[str | Sequence[int]] | None = None, sequences_file: str | None = None,
                 log: Log | None = None) -> tuple[EagleParams, np.ndarray, dict]:
     """Generate (or read from `sequences_file`, a cache of an earlier generation), teach and
     train -> (trained EagleParams, vocab_ids i32[Vd], figures for eagle.json)."""
@@ -283,7 +283,7 @@ def _fmt(values: Sequence[float]) -> str:
     return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
 
-def _sequences(target: Model, cfg: EagleTrainingConfig, prompts: Sequence[str] | None, sequences_file: str | None,
+def _sequences(target: Model, cfg: EagleTrainingConfig, prompts: Sequence[str | Sequence[int]] | None, sequences_file: str | None,
                log: Log) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """The target's answers: generated (16+ slots through the engine), or read back from
     `sequences_file` when it exists (it is written after a generation)."""
@@ -300,8 +300,9 @@ def _sequences(target: Model, cfg: EagleTrainingConfig, prompts: Sequence[str] |
             raise ValueError(f"num_prompts={cfg.num_prompts} exceeds the {len(available)} built-in prompts")
         prompts = available[: cfg.num_prompts]
     log(f"generating {len(prompts)} prompts x temperatures {cfg.temperatures}, {cfg.new_tokens} new tokens each")
+    chat = all(isinstance(p, str) for p in prompts)  # token-id prompts (targets without a tokenizer) as they are
     sequences, prompt_lengths, prompt_index = generate_sequences(target, prompts, cfg.new_tokens, cfg.temperatures,
-                                                                 cfg.seed, chat=True, progress=True)
+                                                                 cfg.seed, chat=chat, max_slots=16, progress=True)
     if sequences_file:
         np.savez(sequences_file, tokens=np.concatenate(sequences), lengths=np.asarray([len(s) for s in sequences]),
                  prompt_lengths=prompt_lengths, prompt_index=prompt_index)
