@@ -82,10 +82,10 @@ def teacher_features(target: Model, sequences: Sequence[np.ndarray], prompt_leng
     """One teacher-forced dense pass of the target over the sequences -> features + top-k."""
     tokens, lengths = pad_sequences(sequences)
     c = target.config
-    head = target.params.embed if target.params.lm_head is None else target.params.lm_head
 
     @jax.jit
-    def teach(params, batch):  # i32[B, T]
+    def teach(params, batch):  # i32[B, T]; params an argument: a closed-over head would be folded as a constant
+        head = params.embed if params.lm_head is None else params.lm_head  # [V, D]
         f = dense_features(params, c, batch)  # [B, T, D]
         logits = jnp.einsum("btd,vd->btv", rms_norm(f, params.final_norm, c.rms_eps), head,
                             preferred_element_type=jnp.float32)
@@ -240,12 +240,14 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
                             optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
     @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(ttt_loss)(params, embed, lm_head, c, batch, cfg.ttt_steps)
+    def step(params, opt_state, frozen, batch):  # frozen = (embed, lm_head): arguments, not folded constants
+        loss, grads = jax.value_and_grad(ttt_loss)(params, *frozen, c, batch, cfg.ttt_steps)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    evaluate = jax.jit(lambda params, batch: ttt_agreement(params, embed, lm_head, vocab, c, batch, cfg.ttt_steps))
+    frozen = (embed, lm_head)
+    agreement_counts = jax.jit(lambda params, frozen, batch: ttt_agreement(params, *frozen, c, batch, cfg.ttt_steps))
+    evaluate = lambda params, batch: agreement_counts(params, (*frozen, vocab), batch)  # noqa: E731
     params = init_eagle_params(target, cfg.seed)
     opt_state = optimizer.init(params)
     init_agreement = held_out_agreement(evaluate, params, held_targets, batch_size)
@@ -257,7 +259,7 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
         order = rng.permutation(n)
         for i in range(steps_per_epoch):
             rows = order[i * batch_size : (i + 1) * batch_size]
-            params, opt_state, loss = step(params, opt_state, {k: train_targets[k][rows] for k in TRAIN_KEYS})
+            params, opt_state, loss = step(params, opt_state, frozen, {k: train_targets[k][rows] for k in TRAIN_KEYS})
             losses.append(float(loss))
             if i % 20 == 19:
                 log(f"epoch {epoch + 1} step {i + 1}/{steps_per_epoch}: loss {np.mean(losses[-20:]):.4f}")
