@@ -45,7 +45,8 @@ from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.speculative.checkpoint import load_trained_draft
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
-from jaxinfer.speculative.drafts import DraftModel, check_draft_compatible, propose_ngram, self_draft
+from jaxinfer.speculative.drafts import DraftModel, check_draft_compatible, self_draft
+from jaxinfer.speculative.drafts.ngram import NgramIndex
 from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead, load_eagle_head
 from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
@@ -388,7 +389,7 @@ class Engine:
         num_draft = np.zeros(self.spec.max_slots, np.int32)
         for req, lookahead in zip(plan.decode, plan.lookahead):
             if sc.method == "ngram" and lookahead:
-                proposal = propose_ngram(np.asarray(req.all_tokens, np.int32), lookahead, sc.ngram_max, sc.ngram_min)
+                proposal = self._ngram_index(req).propose(lookahead)
                 tokens[req.slot, : len(proposal)] = proposal
                 num_draft[req.slot] = len(proposal)
             else:
@@ -404,13 +405,23 @@ class Engine:
         for req, lookahead in zip(plan.decode, plan.lookahead):
             c = req.draft_carry
             if c:
-                head_tokens[req.slot, :c] = req.all_tokens[-c:]
+                head_tokens[req.slot, :c] = req.generated[-c:]  # the carried pairs follow emitted tokens only
                 carried[req.slot], num_draft[req.slot] = c, lookahead
         prefill_carried = np.zeros(self.scheduler.max_prefill_rows, bool)
         for (req, _), row in zip(plan.prefill, plan.prefill_rows):
             prefill_carried[row] = req.draft_carry > 0
         return EagleBatch(num_draft=num_draft, head_tokens=head_tokens, carried=carried,
                           prefill_carried=prefill_carried if plan.prefill else None)
+
+    def _ngram_index(self, req: Request) -> NgramIndex:
+        """The request's n-gram index, brought up to date with its new tokens (O(new tokens),
+        not a re-scan of the sequence every step)."""
+        sc = self.config.speculative
+        if req.ngram_index is None:
+            req.ngram_index = NgramIndex(sc.ngram_max, sc.ngram_min, len(req.prompt), sc.ngram_prompt_first,
+                                         sc.ngram_short_draft)
+        req.ngram_index.sync(req.prompt, req.generated)
+        return req.ngram_index
 
     def _narrowest(self, drafts: DraftBatch) -> DraftBatch | None:
         """Host drafts (n-gram) are often shorter than k: verify them in the narrowest

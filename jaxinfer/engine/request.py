@@ -98,6 +98,7 @@ class Request:
         self._emitted_tokens = 0
         self._hold = max((len(s) for s in params.stop), default=1) - 1  # chars a stop string may claim
         self._stopped_by_string = False
+        self.ngram_index = None  # NgramIndex over prompt + generated, made by an n-gram speculating engine
 
     @property
     def all_tokens(self) -> list[int]:

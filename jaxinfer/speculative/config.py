@@ -20,7 +20,11 @@ class SpeculativeConfig:
 
     - "ngram": prompt lookup. The last `ngram_max .. ngram_min` tokens are searched for
       in the request's own tokens and what followed their latest occurrence is proposed
-      (deterministic: q is one-hot). Free to compute; strong on text that repeats its input.
+      (deterministic: q is one-hot). Free to compute; strong on text that repeats its input
+      (rewrite, fix, extract, edit code: k = 8 pays there). While drafts keep being accepted
+      the next ones continue the same match; a fresh match shorter than `ngram_max` proposes
+      at most `ngram_short_draft` tokens (None: k), and with `ngram_prompt_first` an
+      occurrence in the prompt wins over a later one in the output.
       A step where no slot found a match runs the plain one-token program instead.
     - "self": the target's first `self_layers` layers + final norm + LM head (no new weights).
     - "draft": a `DraftModel` sharing the target's tokenizer, or a path to a checkpoint
@@ -42,6 +46,8 @@ class SpeculativeConfig:
     draft: DraftModel | EagleHead | str | Path | None = dataclasses.field(default=None, repr=False)
     ngram_max: int = 3
     ngram_min: int = 2
+    ngram_short_draft: int | None = 2
+    ngram_prompt_first: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -50,6 +56,8 @@ class SpeculativeConfig:
             raise ValueError(f"SpeculativeConfig.num_speculative={self.num_speculative!r} must be an integer in [1, 16]")
         if not isinstance(self.ngram_min, int) or not isinstance(self.ngram_max, int) or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+        if self.ngram_short_draft is not None and not (isinstance(self.ngram_short_draft, int) and self.ngram_short_draft >= 1):
+            raise ValueError(f"SpeculativeConfig.ngram_short_draft={self.ngram_short_draft!r} must be None or an integer >= 1")
         if self.method == "draft" and self.draft is None:
             raise ValueError("SpeculativeConfig(method='draft') needs draft=DraftModel(...) or a checkpoint path")
 
