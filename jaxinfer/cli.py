@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--prompts", type=int, help="built-in instructions the target answers (default: 100 for a "
                     "draft, all 628 of the expanded set for eagle)")
     td.add_argument("--new-tokens", type=int, default=192, help="tokens generated per prompt and temperature")
-    td.add_argument("--epochs", type=int, help="default: 8 (draft), 2 (eagle)")
-    td.add_argument("--lr", type=float, help="peak AdamW learning rate, cosine schedule (default: 2e-3 draft, 1e-3 eagle)")
+    td.add_argument("--epochs", type=int, help="passes over the training text (default 8)")
+    td.add_argument("--lr", type=float, help="peak AdamW learning rate, cosine schedule (default 2e-3)")
     td.add_argument("--ttt-steps", type=int, default=3, help="(eagle) head steps unrolled on its own predictions")
     td.add_argument("--sequences", help="(eagle) .npz cache of the generated text: read if it exists, else written")
     td.add_argument("--seed", type=int, default=0)

@@ -48,8 +48,8 @@ class EagleTrainingConfig:
     temperatures: tuple[float, ...] = (0.0, 0.8)
     top_k: int = 32  # teacher log-probs kept per position
     ttt_steps: int = 3  # training-time test: head steps unrolled on their own predictions
-    epochs: int = 2
-    lr: float = 1e-3
+    epochs: int = 8
+    lr: float = 2e-3
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     batch_size: int = 8
