@@ -128,13 +128,19 @@ def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)
     x = logits.astype(jnp.float32) / temperature[:, None]
     vocab = x.shape[-1]
-    # The sort below costs more than the rest of sampling: skip it when no row filters.
-    filters = ((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1) | (s.min_p > 0)
-    return jax.lax.cond(jnp.any(filters), _top_k_top_p_min_p, lambda x, s: x, x, s)
+    # min-p needs only the row's max; top-k and top-p need the vocabulary sorted, which costs
+    # more than the rest of sampling: it runs only when some row asks for one of them.
+    min_p_th = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]  # [B, 1]
+    threshold = jnp.where(s.min_p[:, None] > 0, min_p_th, NEG_INF)
+    sorts = ((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1)
+    threshold = jax.lax.cond(jnp.any(sorts), lambda: jnp.maximum(threshold, _top_k_top_p_threshold(x, s)),
+                             lambda: threshold)
+    return jnp.where(x >= threshold, x, NEG_INF)
 
 
-def _top_k_top_p_min_p(x: jax.Array, s: SamplingArrays) -> jax.Array:
-    """`filter_logits` after temperature: x f32[B, V] -> f32[B, V] with -inf outside each row's set."""
+def _top_k_top_p_threshold(x: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The smallest logit each row's top-k and top-p keep: x f32[B, V] (after temperature)
+    -> f32[B, 1] (the row's minimum where it keeps every token)."""
     vocab = x.shape[-1]
     desc = -jnp.sort(-x, axis=-1)  # [B, V], largest first
 
@@ -149,10 +155,7 @@ def _top_k_top_p_min_p(x: jax.Array, s: SamplingArrays) -> jax.Array:
     # another row made the batch take this sorted path.
     kept = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1) | (jnp.arange(vocab) == 0)  # top-1 always kept
     pth = jnp.min(jnp.where(kept, desc, jnp.inf), axis=-1, keepdims=True)
-
-    min_p_th = desc[:, :1] + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]
-    threshold = jnp.maximum(jnp.maximum(kth, pth), jnp.where(s.min_p[:, None] > 0, min_p_th, NEG_INF))
-    return jnp.where(x >= threshold, x, NEG_INF)
+    return jnp.maximum(kth, pth)
 
 
 @struct.dataclass
