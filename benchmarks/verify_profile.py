@@ -11,13 +11,17 @@ n-gram drafts. Beside them, small jitted programs of each part at the same shape
 
   layers    the target forward (`forward_groups`) minus its LM head
   lm_head   final logits, [b * T, D] x [D, V]
-  sampling  `sample_tokens` (plain) / `verify_step` (verify) on the logits
-  logprobs  `token_logprobs` of the emitted tokens (log_softmax + top-5 over V)
-  other     the step program minus the parts above (keys, gathers, copies, dispatch)
+  sampling  `sample_tokens` (plain) / `verify_step` (verify) on the logits, greedy rows
+  top_k     the same with every row sampled at temperature 1, top-k 50 (not in the step's
+            time, which is greedy)
+  logprobs  `token_logprobs` of the emitted tokens (log_softmax + top-5 over V): inside
+            the step program before issue 18, a program apart since (run only for steps
+            emitting to a request that asked), so not part of the step's time
+  other     the step program minus the parts above in it (keys, gathers, copies, dispatch)
   draft     n-gram prompt lookup on the host, b slots
   host      `Engine.step` wall time minus its device program, minus the draft
 
-Programs run interleaved, `--reps` rounds of 5 calls each (the machine is shared: the
+Programs run interleaved, `--reps` rounds of 3 calls each (the machine is shared: the
 figures are medians and the costs are ratios taken in one process). The last line is JSON
 with `verify_cost_k{k}_b{b}` = verify program time / plain step time, plus every part.
 """
@@ -47,7 +51,7 @@ from jaxinfer.speculative.step import DraftBatch
 from jaxinfer.speculative.verify import Proposal, verify_step
 
 CONTEXT = 96  # tokens cached per slot before the step
-CALLS = 5  # calls per timed round
+CALLS = 3  # calls per timed round
 
 
 def engine_for(model, b: int, k: int) -> Engine:
@@ -76,7 +80,7 @@ class Program:
             self.args[kv_index] = jax.tree.map(jnp.copy, self.args[kv_index])
 
     def __call__(self):
-        out = self.fn(*self.args)
+        self.out = out = self.fn(*self.args)
         if self.kv_index is not None:
             self.args[self.kv_index] = out[0]
         jax.block_until_ready(out)
@@ -101,15 +105,17 @@ def part_programs(eng: Engine, batch, t: int, drafts: DraftBatch | None) -> dict
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((b * t, d)), jnp.float32)
     logits = jnp.asarray(rng.standard_normal((b, t, v)) * 3, jnp.float32)  # f32[b, t, V]
-    sampling = jax.tree.map(jnp.asarray, batch.sampling)
+    greedy = jax.tree.map(jnp.asarray, batch.sampling)
+    top_k = jax.tree.map(jnp.asarray, SamplingArrays.from_params([SamplingParams(top_k=50)] * b, range(b)))
     positions = jnp.asarray(batch.lengths + 1)
     if drafts is None:
-        sample = jax.jit(lambda logits: sample_tokens(logits[:, 0], sampling, positions))
+        sample = jax.jit(lambda logits, s: sample_tokens(logits[:, 0], s, positions))
         emitted = jnp.zeros((b, 1), jnp.int32)
     else:
         proposal = Proposal(jnp.asarray(drafts.tokens), None)
-        keys = jax.vmap(jax.random.split)(row_keys(sampling.seed, positions))[:, 0]
-        sample = jax.jit(lambda logits: verify_step(logits, proposal, jnp.asarray(drafts.num_draft), sampling, keys))
+        num_draft = jnp.asarray(drafts.num_draft)
+        sample = jax.jit(lambda logits, s: verify_step(
+            logits, proposal, num_draft, s, jax.vmap(jax.random.split)(row_keys(s.seed, positions))[:, 0]))
         emitted = jnp.zeros((b, t), jnp.int32)
     if t == 1:  # the plain step's decode logits are f32[b, V]
         logprobs = jax.jit(lambda logits: token_logprobs(logits[:, 0], emitted[:, 0]))
@@ -118,7 +124,8 @@ def part_programs(eng: Engine, batch, t: int, drafts: DraftBatch | None) -> dict
     return {
         "forward": Program(forward, (m.params, eng.kv, jnp.asarray(batch.block_tables), jnp.asarray(batch.lengths)), 1),
         "lm_head": Program(jax.jit(lm_head), (m.params, x), None),
-        "sampling": Program(sample, (logits,), None),
+        "sampling": Program(sample, (logits, greedy), None),
+        "sampling_top_k": Program(sample, (logits, top_k), None),
         "logprobs": Program(logprobs, (logits,), None),
     }
 
@@ -197,17 +204,21 @@ def profile(model, b: int, ks: list[int], reps: int) -> dict:
         for name, p in part_programs(eng, batch, k + 1, drafts).items():
             programs[f"k{k}.{name}"] = p
     times = timed(programs, reps)
+    # Before issue 18 the step programs computed logprobs themselves; since, they return logits
+    # and the logprob program runs apart, only for steps emitting to a request that asked.
+    in_program = hasattr(programs["plain"].out[-1], "decode_logprobs")
     host, draft = host_overhead(model, b, max(ks))
     for label in ["plain"] + [f"k{k}" for k in ks]:
         t = times[label]
-        part = {name: times[f"{label}.{name}"] for name in ("forward", "lm_head", "sampling", "logprobs")}
+        part = {name: times[f"{label}.{name}"] for name in ("forward", "lm_head", "sampling", "sampling_top_k", "logprobs")}
         results[label] = {
             "program_ms": 1e3 * t,
             "layers_ms": 1e3 * (part["forward"] - part["lm_head"]),
             "lm_head_ms": 1e3 * part["lm_head"],
             "sampling_ms": 1e3 * part["sampling"],
+            "top_k_ms": 1e3 * part["sampling_top_k"],
             "logprobs_ms": 1e3 * part["logprobs"],
-            "other_ms": 1e3 * (t - part["forward"] - part["sampling"] - part["logprobs"]),
+            "other_ms": 1e3 * (t - part["forward"] - part["sampling"] - in_program * part["logprobs"]),
             "draft_ms": 0.0 if label == "plain" else 1e3 * draft,
             "host_ms": 1e3 * host,
             **costs[label],
@@ -219,11 +230,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--bs", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=12)
     args = ap.parse_args()
     model = load_model(progress=False)
     summary = {"machine": f"{platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__} {jax.default_backend()}"}
-    cols = ["program_ms", "layers_ms", "lm_head_ms", "sampling_ms", "logprobs_ms", "other_ms", "draft_ms", "host_ms",
+    cols = ["program_ms", "layers_ms", "lm_head_ms", "sampling_ms", "top_k_ms", "logprobs_ms", "other_ms", "draft_ms", "host_ms",
             "gflop", "mb"]
     print(f"{'program':<10}{'b':>3}" + "".join(f"{c[:-3] if c.endswith('_ms') else c:>10}" for c in cols) + f"{'cost':>8}")
     for b in args.bs:

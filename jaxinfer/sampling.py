@@ -18,7 +18,7 @@ import numpy as np
 from flax import struct
 
 NEG_INF = -jnp.inf
-MAX_LOGPROBS = 5  # top alternatives every step computes (static: one compiled shape)
+MAX_LOGPROBS = 5  # top alternatives the logprob program computes (static: one compiled shape)
 # Top-k up to this many tokens finds its cut with a partial top-k: on XLA:CPU sorting a
 # 49,152-wide row costs ~50 ms, `lax.top_k(row, 256)` ~1 ms.
 FAST_TOP_K = 256
