@@ -20,7 +20,7 @@ from flax import struct
 NEG_INF = -jnp.inf
 MAX_LOGPROBS = 5  # top alternatives the logprob program computes (static: one compiled shape)
 # Top-k up to this many tokens finds its cut with a partial top-k: on XLA:CPU sorting a
-# 49,152-wide row costs ~50 ms, `lax.top_k(row, 256)` ~1 ms.
+# 49,152-wide row costs ~15 ms, `lax.top_k(row, 256)` under 1 ms (BENCHMARKS.md, issue 18).
 FAST_TOP_K = 256
 INT32_MAX = 2**31 - 1  # top_k and max_tokens are packed into int32 arrays / compared with int32 positions
 # Positive temperatures below this sample greedily (vLLM's convention): logits / T would

@@ -31,7 +31,8 @@ def propose_with_model(
     """k draft tokens per slot, sampled from the draft under each row's sampling parameters.
 
     -> (Proposal(i32[B, k], q f32[B, k, Vd], q_vocab=vocab), the draft's cache). Row b writes
-    only its first `num_draft[b] + 1` tokens (t0, d_1 .. d_num_draft); positions past that are never written.
+    only its first `num_draft[b] + 1` tokens (t0, d_1 .. d_num_draft); positions past that
+    are never written.
     `keys`: key[B], the row's draft randomness; draft j uses fold_in(key, j).
     """
     b = batch.lengths.shape[0]
