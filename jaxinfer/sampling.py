@@ -18,7 +18,10 @@ import numpy as np
 from flax import struct
 
 NEG_INF = -jnp.inf
-MAX_LOGPROBS = 5  # top alternatives every step computes (static: one compiled shape)
+MAX_LOGPROBS = 5  # top alternatives the logprob program computes (static: one compiled shape)
+# Top-k up to this many tokens finds its cut with a partial top-k: on XLA:CPU sorting a
+# 49,152-wide row costs ~15 ms, `lax.top_k(row, 256)` under 1 ms (BENCHMARKS.md, issue 18).
+FAST_TOP_K = 256
 INT32_MAX = 2**31 - 1  # top_k and max_tokens are packed into int32 arrays / compared with int32 positions
 # Positive temperatures below this sample greedily (vLLM's convention): logits / T would
 # overflow float32 to inf (and softmax to NaN) long before T reaches float32's smallest normal.
@@ -128,13 +131,32 @@ def filter_logits(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     temperature = jnp.where(s.temperature > 0, s.temperature, 1.0)
     x = logits.astype(jnp.float32) / temperature[:, None]
     vocab = x.shape[-1]
-    # The sort below costs more than the rest of sampling: skip it when no row filters.
-    filters = ((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1) | (s.min_p > 0)
-    return jax.lax.cond(jnp.any(filters), _top_k_top_p_min_p, lambda x, s: x, x, s)
+    # min-p needs only the row's max. Top-p and large top-k need the vocabulary sorted, which
+    # costs more than the rest of sampling: it runs only when some row asks for one of them.
+    min_p_th = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]  # [B, 1]
+    threshold = jnp.where(s.min_p[:, None] > 0, min_p_th, NEG_INF)
+    top_k = (s.top_k > 0) & (s.top_k < vocab)
+    sorts = (s.top_p < 1) | (top_k & (s.top_k > FAST_TOP_K))
+    cut = jax.lax.switch(jnp.where(jnp.any(sorts), 2, jnp.where(jnp.any(top_k), 1, 0)),
+                         [lambda x, s: jnp.full_like(threshold, NEG_INF), _top_k_threshold, _top_k_top_p_threshold], x, s)
+    threshold = jnp.maximum(threshold, cut)
+    return jnp.where(x >= threshold, x, NEG_INF)
 
 
-def _top_k_top_p_min_p(x: jax.Array, s: SamplingArrays) -> jax.Array:
-    """`filter_logits` after temperature: x f32[B, V] -> f32[B, V] with -inf outside each row's set."""
+def _top_k_threshold(x: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The k-th largest logit of each top-k row without sorting the vocabulary, for batches
+    whose rows keep at most FAST_TOP_K tokens (or are not cut): x f32[B, V] -> f32[B, 1]
+    (-inf where the row keeps every token). The same value as the sorted path's k-th."""
+    vocab = x.shape[-1]
+    top = jax.lax.top_k(x, min(FAST_TOP_K, vocab))[0]  # [B, FAST_TOP_K], largest first
+    on = (s.top_k > 0) & (s.top_k < vocab)
+    kth = jnp.take_along_axis(top, jnp.clip(s.top_k - 1, 0, top.shape[-1] - 1)[:, None], axis=-1)
+    return jnp.where(on[:, None], kth, NEG_INF)
+
+
+def _top_k_top_p_threshold(x: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The smallest logit each row's top-k and top-p keep: x f32[B, V] (after temperature)
+    -> f32[B, 1] (the row's minimum where it keeps every token)."""
     vocab = x.shape[-1]
     desc = -jnp.sort(-x, axis=-1)  # [B, V], largest first
 
@@ -149,10 +171,7 @@ def _top_k_top_p_min_p(x: jax.Array, s: SamplingArrays) -> jax.Array:
     # another row made the batch take this sorted path.
     kept = (mass_before < s.top_p[:, None]) | (s.top_p[:, None] >= 1) | (jnp.arange(vocab) == 0)  # top-1 always kept
     pth = jnp.min(jnp.where(kept, desc, jnp.inf), axis=-1, keepdims=True)
-
-    min_p_th = desc[:, :1] + jnp.log(jnp.maximum(s.min_p, 1e-30))[:, None]
-    threshold = jnp.maximum(jnp.maximum(kth, pth), jnp.where(s.min_p[:, None] > 0, min_p_th, NEG_INF))
-    return jnp.where(x >= threshold, x, NEG_INF)
+    return jnp.maximum(kth, pth)
 
 
 @struct.dataclass

@@ -46,9 +46,11 @@ class StepBatch:
 class StepOutput:
     decode_tokens: jax.Array  # i32[max_slots]: next token per slot (meaningful where active)
     prefill_tokens: jax.Array | None  # i32[P]: next token after each row's chunk
-    # of decode_tokens under the raw distribution: logprob f32[max_slots], top_* [max_slots, MAX_LOGPROBS]
-    decode_logprobs: TokenLogprobs
-    prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
+    # The raw logits the tokens were sampled from, for `step_logprobs`: logprobs and their
+    # top-k cost a log_softmax and a top-k over the vocabulary per row, paid only when a
+    # request asks for them (the engine leaves these on the device otherwise).
+    decode_logits: jax.Array  # f32[max_slots, V]
+    prefill_logits: jax.Array | None  # f32[P, V]
 
 
 JIT_OPTIONS = dict(static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))
@@ -65,8 +67,8 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
 
     The sampled token of a row is keyed by (seed, its future cache position), so a request
     draws the same tokens whether it decodes, prefills in chunks or is recomputed after
-    preemption. Each sampled token comes with its logprob and the top `MAX_LOGPROBS`
-    alternatives under the model's raw distribution (`sampling.token_logprobs`). On a mesh
+    preemption. The logits come back with the tokens, so that `step_logprobs` can give each
+    token its logprob and top alternatives when a request asks for them. On a mesh
     (`jaxinfer.sharding.shard_engine`), `mesh` is the one params and cache are sharded on.
     """
     host_owned = (kv.block_tables, kv.lengths)  # returned untouched: the host tracks both
@@ -84,9 +86,9 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
 
 def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array) -> StepOutput:
     """Sample the next token of every decode row (`logits[0]`: f32[B, V]) and prefill row
-    (`logits[1]`: f32[P, V]) with their logprobs, in one pass over the B + P rows: one sort
-    and one top-k in the program instead of two each (they are most of its compile time
-    beside the layers). A prefill row is keyed like a decode token of its slot."""
+    (`logits[1]`: f32[P, V]) in one pass over the B + P rows: one sort in the program
+    instead of two (most of its compile time beside the layers). A prefill row is keyed
+    like a decode token of its slot."""
     b = logits[0].shape[0]
     rows, sampling, positions = logits[0], batch.sampling, new_lengths
     if batch.prefill is not None:
@@ -95,12 +97,10 @@ def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: ja
         sampling = jax.tree.map(lambda a: jnp.concatenate([a, a[slots]]), sampling)
         positions = jnp.concatenate([positions, new_lengths[slots]])
     tokens = sample_tokens(rows, sampling, positions)  # i32[B + P]
-    lp = token_logprobs(rows, tokens)
-    decode_lp = jax.tree.map(lambda a: a[:b], lp)
     if batch.prefill is None:
-        return StepOutput(decode_tokens=tokens, prefill_tokens=None, decode_logprobs=decode_lp, prefill_logprobs=None)
-    return StepOutput(decode_tokens=tokens[:b], prefill_tokens=tokens[b:], decode_logprobs=decode_lp,
-                      prefill_logprobs=jax.tree.map(lambda a: a[b:], lp))
+        return StepOutput(decode_tokens=tokens, prefill_tokens=None, decode_logits=logits[0], prefill_logits=None)
+    return StepOutput(decode_tokens=tokens[:b], prefill_tokens=tokens[b:], decode_logits=logits[0],
+                      prefill_logits=logits[1])
 
 
 def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:
@@ -124,6 +124,15 @@ def sample_prefill(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths:
     return sample_tokens(logits[1], rows, new_lengths[batch.prefill.slots])
 
 
-def prefill_logprobs(logits: tuple[jax.Array, ...], prefill_next: jax.Array | None) -> TokenLogprobs | None:
-    """Logprobs of each prefill row's next token (`logits[1]`: f32[P, V]), or None."""
-    return None if prefill_next is None else token_logprobs(logits[1], prefill_next)
+@jax.jit
+def step_logprobs(logits: jax.Array, tokens: jax.Array, prefill_logits: jax.Array | None = None,
+                  prefill_tokens: jax.Array | None = None) -> tuple[TokenLogprobs, TokenLogprobs | None]:
+    """The logprob program, run apart from the step and only when a request asks: each
+    emitted token's logprob and top `MAX_LOGPROBS` alternatives (`sampling.token_logprobs`).
+
+    logits f32[B, V] with tokens i32[B] (plain step), or f32[B, k + 1, V] with i32[B, k + 1]
+    (a verified block); prefill_logits f32[P, V] with prefill_tokens i32[P], or None.
+    -> (TokenLogprobs[B] or [B, k + 1], TokenLogprobs[P] or None).
+    """
+    prefill = None if prefill_tokens is None else token_logprobs(prefill_logits, prefill_tokens)
+    return token_logprobs(logits, tokens), prefill

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -385,6 +387,31 @@ def test_logprobs_are_log_softmax_of_the_raw_logits(model):
         SamplingParams(logprobs=MAX_LOGPROBS + 1)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=True)
+
+
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("ngram", 3, ngram_max=2, ngram_min=1)])
+def test_the_logprob_program_runs_only_for_steps_that_emit_to_a_request_asking(model, monkeypatch, speculative):
+    """Steps return logits, and the logprob program runs apart only when an emitted token's
+    request asked: one request of three asks, and its numbers are exact; once it is done
+    (or when none ever asked), steps run no logprob program."""
+    import jaxinfer.engine.engine as engine_module
+
+    calls = []
+    real = engine_module.step_logprobs
+    monkeypatch.setattr(engine_module, "step_logprobs", lambda *a: calls.append(a[0].shape) or real(*a))
+    eng = engine(model, speculative=speculative)
+    eng.generate(prompts(3, seed=5), GREEDY)
+    assert calls == []
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    ps = LOGPROB_PROMPTS + [prompts(1, seed=6, lo=5, hi=6)[0]]
+    outs = eng.generate(ps, [dataclasses.replace(GREEDY, max_tokens=20), GREEDY, short])
+    check_logprobs(model, ps[2], outs[2], 2)
+    assert outs[0].logprobs is None and outs[1].logprobs is None
+    asked = len(calls)
+    assert 0 < asked < eng.metrics().steps
+    eng.generate(prompts(2, seed=7), GREEDY)
+    assert len(calls) == asked
+    assert outs[2].token_ids == alone(model, ps[2], short)
 
 
 @pytest.mark.parametrize("source", ["draft", "ngram"])

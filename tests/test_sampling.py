@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.sampling import (INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, SamplingArrays,
+from jaxinfer.sampling import (FAST_TOP_K, INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, SamplingArrays,
                                SamplingParams, filter_logits, sample_tokens)
 
 
@@ -125,6 +125,28 @@ def test_filters_never_allow_a_token_outside_the_allowed_set(seed, top_k, top_p,
         jax.random.split(jax.random.key(seed), 64)
     )
     assert set(np.asarray(draws).tolist()) <= want
+
+
+def test_partial_top_k_equals_the_sorted_path():
+    """Top-k up to FAST_TOP_K cuts with a partial top-k, larger ones and top-p sort the row,
+    min-p needs neither: each row keeps the same tokens whichever path its batch takes."""
+    logits = jnp.asarray(np.random.default_rng(5).standard_normal((1, 1000)) * 3, jnp.float32)
+    rows = [SamplingParams(top_k=7), SamplingParams(top_k=FAST_TOP_K), SamplingParams(min_p=0.05),
+            SamplingParams(top_k=7, min_p=0.05)]
+    alone = [np.asarray(filter_logits(logits, SamplingArrays.from_params([p], [0])))[0] for p in rows]
+    for p, row in zip(rows, alone):  # the reference: k largest (values are distinct), p >= min_p * max p
+        want = np.full(1000, True)
+        if p.top_k:
+            want &= np.asarray(logits[0]) >= np.sort(np.asarray(logits[0]))[-p.top_k]
+        if p.min_p:
+            want &= np.exp(np.asarray(logits[0]) - np.asarray(logits[0]).max()) >= p.min_p
+        np.testing.assert_array_equal(np.isfinite(row), want)
+    sorted_batch = rows + [SamplingParams(top_k=FAST_TOP_K + 1), SamplingParams(top_p=0.9)]  # these two sort the batch
+    together = np.asarray(filter_logits(jnp.repeat(logits, len(sorted_batch), axis=0),
+                                        SamplingArrays.from_params(sorted_batch, [0] * len(sorted_batch))))
+    for row, got in zip(alone, together):
+        np.testing.assert_array_equal(got, row)
+    assert np.isfinite(together[4]).sum() == FAST_TOP_K + 1
 
 
 def test_temperature_only_batches_skip_the_sort_and_agree_with_it():

@@ -50,7 +50,7 @@ from jaxinfer.speculative.drafts.ngram import NgramIndex
 from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead, load_eagle_head
 from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
-from jaxinfer.step import PrefillBatch, StepBatch, engine_step
+from jaxinfer.step import PrefillBatch, StepBatch, engine_step, step_logprobs
 
 
 logger = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ class Engine:
         drafts = self._draft_batch(plan) if self.spec_stats else None
         if drafts is not None and self.config.speculative.method == "ngram":
             drafts = self._narrowest(drafts)
-        blocks, accepted, prefill_next, logprobs = self._run(self._batch(plan, draft_width(drafts)), drafts)
+        blocks, accepted, prefill_next, step_logits = self._run(self._batch(plan, draft_width(drafts)), drafts)
         kept = [int(accepted[r.slot]) for r in plan.decode]
         self.scheduler.commit(plan, kept)
         if isinstance(drafts, EagleBatch):  # the features the step stored for each row's slot
@@ -322,7 +322,7 @@ class Engine:
         emitted += [(r, [int(prefill_next[row])], (1, row)) for (r, _), row in zip(plan.prefill, plan.prefill_rows)
                     if r.pending == 0]
         wanted = any(r.params.logprobs is not None for r, _, _ in emitted)
-        host_logprobs = jax.device_get(logprobs) if wanted else None
+        host_logprobs = self._logprobs(step_logits) if wanted else None
         outputs = []
         for i, (req, tokens, (source, row)) in enumerate(emitted):
             try:  # one request's failure here (its text, its stop strings) must not lose the others' tokens
@@ -345,25 +345,31 @@ class Engine:
                 outputs.append(self._fail(req, e))
         return outputs
 
-    def _run(self, batch: StepBatch, drafts: DraftBatch | None
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[TokenLogprobs, TokenLogprobs | None]]:
+    def _run(self, batch: StepBatch, drafts: DraftBatch | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple]:
         """Run the jitted step -> (tokens i32[B, k + 1], accepted i32[B], prefill tokens i32[P],
-        (logprobs [B] or [B, k + 1] when speculating, prefill logprobs [P]) left on the device:
-        fetched only when a request asks for them). Slot b emits tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
+        what `_logprobs` needs, left on the device). Slot b emits tokens[b, : accepted[b] + 1]
+        (k = 0 without speculation)."""
         key = program_key(batch, drafts)
         if self._compiler is not None and key not in self._ran:
             self._compiler.claim(key)  # compiled in the background already, or now, never twice
         fn, args = self._program(batch, drafts, self.kv, self.draft_kv)
         if drafts is None:
             self.kv, out = self._compiles.call(fn, *args)
-            tokens, accepted = np.asarray(out.decode_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
-            logprobs = out.decode_logprobs
+            device_tokens, logits = out.decode_tokens, out.decode_logits  # i32[B], f32[B, V]
+            tokens, accepted = np.asarray(device_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
         else:
             self.kv, self.draft_kv, out = self._compiles.call(fn, *args)
-            tokens, accepted, logprobs = np.asarray(out.tokens), np.asarray(out.num_accepted), out.logprobs
+            device_tokens, logits = out.tokens, out.logits  # i32[B, k + 1], f32[B, k + 1, V]
+            tokens, accepted = np.asarray(device_tokens), np.asarray(out.num_accepted)
         self._ran.add(key)
         prefill = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
-        return tokens, accepted, prefill, (logprobs, out.prefill_logprobs)
+        return tokens, accepted, prefill, (logits, device_tokens, out.prefill_logits, out.prefill_tokens)
+
+    def _logprobs(self, step_logits: tuple) -> tuple[TokenLogprobs, TokenLogprobs | None]:
+        """The logprob program over a step's logits and tokens (`_run`), fetched to the host:
+        (decode [B] or blocks [B, k + 1], prefill [P] or None). Its compiles count as the
+        engine's: one per step shape, at the first step that asks for logprobs."""
+        return jax.device_get(self._compiles.call(step_logprobs, *step_logits))
 
     def _program(self, batch: StepBatch, drafts: DraftBatch | None, kv, draft_kv) -> tuple[jax.stages.Wrapped, tuple]:
         """The jitted step for `batch` and its positional arguments (jit refuses keywords next

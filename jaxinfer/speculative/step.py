@@ -32,10 +32,10 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.layer_stack import slice_layers
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
-from jaxinfer.sampling import TokenLogprobs, row_keys, token_logprobs
+from jaxinfer.sampling import row_keys
 from jaxinfer.speculative.drafts.propose import propose_with_model
 from jaxinfer.speculative.verify import Proposal, verify_step
-from jaxinfer.step import StepBatch, prefill_groups, prefill_logprobs, sample_prefill
+from jaxinfer.step import StepBatch, prefill_groups, sample_prefill
 
 
 @struct.dataclass
@@ -49,10 +49,9 @@ class SpeculativeOutput:
     tokens: jax.Array  # i32[max_slots, k + 1]: slot b emits tokens[b, : num_accepted[b] + 1]
     num_accepted: jax.Array  # i32[max_slots]: drafts kept per slot
     prefill_tokens: jax.Array | None  # i32[P]: next token after each prefill row's chunk
-    # of tokens[b, j] under the target's raw p_j: logprob f32[max_slots, k + 1],
-    # top_ids i32 / top_logprobs f32[max_slots, k + 1, MAX_LOGPROBS]
-    logprobs: TokenLogprobs
-    prefill_logprobs: TokenLogprobs | None  # of prefill_tokens: f32[P], [P, MAX_LOGPROBS]
+    # The target's raw logits, for `step.step_logprobs` when a request asks (as in `StepOutput`)
+    logits: jax.Array  # f32[max_slots, k + 1, V]: position j scored tokens[b, j]
+    prefill_logits: jax.Array | None  # f32[P, V]
 
 
 JIT_OPTIONS = dict(static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
@@ -73,9 +72,9 @@ def speculative_step(
     """Propose, run the target over every slot's block and the prefill rows, verify; donates
     both caches. Block tables and lengths are host-owned, as in `engine_step`.
 
-    Every position j of a block gets the logprob of `tokens[b, j]` under the target's raw
-    distribution there (log_softmax of its logits, before temperature/top-k/top-p, as in
-    `engine_step`), so accepted drafts and the correction/bonus token each get their own."""
+    The target's raw logits at every position j of a block come back with the tokens, so
+    `step.step_logprobs` can give accepted drafts and the correction/bonus token each their
+    own logprob under the target, as in `engine_step`."""
     host_owned = (kv.block_tables, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
     num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[B]
@@ -112,6 +111,5 @@ def speculative_step(
     prefill_next = sample_prefill(logits, batch, kv.lengths)
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
     return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
-                                           logprobs=token_logprobs(logits[0], tokens),
-                                           prefill_logprobs=prefill_logprobs(logits, prefill_next))
+                                           logits=logits[0], prefill_logits=logits[1] if len(logits) > 1 else None)
 

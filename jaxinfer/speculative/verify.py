@@ -29,9 +29,23 @@ class Proposal(NamedTuple):
     """What every draft source hands the verifier (see `jaxinfer.speculative.drafts`)."""
 
     tokens: jax.Array  # i32[B, k]: proposed tokens; row b's entries past its num_draft are padding
-    # f32[B, k, V]: the distribution each token was drawn from, or None for deterministic
-    # drafts (n-gram): q is then one-hot at `tokens`, built only if some row samples
+    # f32[B, k, V] (or [B, k, Vd] with q_vocab): the distribution each token was drawn from,
+    # or None for deterministic drafts (n-gram): q is then one-hot at `tokens`
     q: jax.Array | None
+    # i32[Vd]: the token id of each entry of q's last axis, when the draft's head covers a
+    # subset of the vocabulary; None: q covers all V
+    q_vocab: jax.Array | None = None
+
+
+def full_vocab_q(proposal: Proposal, vocab_size: int) -> jax.Array:
+    """The proposal's q over the whole vocabulary: f32[B, k, V]. Built only where some row
+    samples: greedy verification needs nothing but the tokens."""
+    if proposal.q is None:
+        return jax.nn.one_hot(proposal.tokens, vocab_size, dtype=jnp.float32)
+    if proposal.q_vocab is None:
+        return proposal.q
+    b, k, _ = proposal.q.shape
+    return jnp.zeros((b, k, vocab_size), proposal.q.dtype).at[:, :, proposal.q_vocab].set(proposal.q)
 
 
 def acceptance_probs(p: jax.Array, q: jax.Array, draft: jax.Array) -> jax.Array:
@@ -130,8 +144,7 @@ def verify_step(
         return n.astype(jnp.int32), best
 
     def sampled(_):
-        q = jax.nn.one_hot(draft, v, dtype=jnp.float32) if proposal.q is None else proposal.q
-        q = jnp.where(usable[..., None], q, 0.0)
+        q = jnp.where(usable[..., None], full_vocab_q(proposal, v), 0.0)
         n, tokens = verify_draft(keys, draft, q, sampling_probs(target_logits, s))
         n_greedy, best = greedy(None)
         is_greedy = s.temperature == 0

@@ -30,12 +30,12 @@ def propose_with_model(
 ) -> tuple[Proposal, PagedKVState]:
     """k draft tokens per slot, sampled from the draft under each row's sampling parameters.
 
-    -> (Proposal(i32[B, k], q f32[B, k, V]), the draft's cache). Row b writes only its first
-    `num_draft[b] + 1` tokens (t0, d_1 .. d_num_draft); positions past that are never written.
+    -> (Proposal(i32[B, k], q f32[B, k, Vd], q_vocab=vocab), the draft's cache). Row b writes
+    only its first `num_draft[b] + 1` tokens (t0, d_1 .. d_num_draft); positions past that
+    are never written.
     `keys`: key[B], the row's draft randomness; draft j uses fold_in(key, j).
     """
     b = batch.lengths.shape[0]
-    vocab_size = config.vocab_size
     slots = jnp.arange(b, dtype=jnp.int32)
     current = batch.decode_tokens  # i32[B]
     tokens, probs = [], []
@@ -49,13 +49,14 @@ def propose_with_model(
             break
         step_keys = jax.vmap(lambda key: jax.random.fold_in(key, j))(keys)
         index, q = sample_draft(logits[0], batch.sampling, step_keys)  # i32[B], f32[B, Vd]
-        if vocab is not None:  # the head covers a subset: map back to token ids
+        # A head over a subset: its index maps back to a token id; q stays over the subset
+        # (`verify.full_vocab_q` widens it to the vocabulary only when some row samples).
+        if vocab is not None:
             index = vocab[index]
-            q = jnp.zeros((b, vocab_size), q.dtype).at[:, vocab].set(q)
         tokens.append(index)
         probs.append(q)
         current = index
-    return Proposal(jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)), dkv
+    return Proposal(jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1), vocab), dkv
 
 
 def sample_draft(logits: jax.Array, s: SamplingArrays, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
