@@ -33,12 +33,12 @@ from flax import struct
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_hidden
-from jaxinfer.sampling import row_keys, token_logprobs
+from jaxinfer.sampling import row_keys
 from jaxinfer.speculative.drafts.propose import sample_draft
 from jaxinfer.speculative.eagle.head import EagleParams, head_inputs
 from jaxinfer.speculative.step import SpeculativeOutput
 from jaxinfer.speculative.verify import Proposal, verify_step
-from jaxinfer.step import StepBatch, prefill_groups, prefill_logprobs, sample_prefill
+from jaxinfer.step import StepBatch, prefill_groups, sample_prefill
 
 
 @struct.dataclass
@@ -80,7 +80,7 @@ def propose_eagle(head: EagleParams, embed: jax.Array, lm_head: jax.Array, vocab
                   state: EagleState, batch: StepBatch, drafts: EagleBatch, num_draft: jax.Array, keys: jax.Array,
                   attention_impl: str) -> tuple[Proposal, PagedKVState]:
     """k drafts per slot: the carried pairs in one block, then k - 1 pairs of the head's
-    own predictions -> (Proposal(i32[B, k], q f32[B, k, V]), the head's cache)."""
+    own predictions -> (Proposal(i32[B, k], q f32[B, k, Vd] over `vocab`), the head's cache)."""
     b, k = num_draft.shape[0], drafts.width
     slots = jnp.arange(b, dtype=jnp.int32)
     carried = jnp.where(batch.decode_active, drafts.carried, 0)  # i32[B]
@@ -95,7 +95,7 @@ def propose_eagle(head: EagleParams, embed: jax.Array, lm_head: jax.Array, vocab
         step_keys = jax.vmap(lambda key: jax.random.fold_in(key, j))(keys)
         index, q = sample_draft(logits, batch.sampling, step_keys)  # i32[B], f32[B, Vd]
         tokens.append(vocab[index])
-        probs.append(jnp.zeros((b, embed.shape[0]), q.dtype).at[:, vocab].set(q))
+        probs.append(q)
         if j == k - 1:
             break
         # pair (f'_{L+j}, d_{j+1}) at position L + j drafts d_{j+2}; only rows that verify it write
@@ -103,7 +103,7 @@ def propose_eagle(head: EagleParams, embed: jax.Array, lm_head: jax.Array, vocab
                            num_new=(batch.decode_active & (j + 1 < num_draft)).astype(jnp.int32),
                            logits_index=jnp.zeros_like(slots), by_replica=True)
         logits, feature, hkv = _head_forward(head, embed, lm_head, config, hkv, group, feature, attention_impl)
-    return Proposal(jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1)), hkv
+    return Proposal(jnp.stack(tokens, axis=1), jnp.stack(probs, axis=1), q_vocab=vocab), hkv
 
 
 def _prefill_pairs(head: EagleParams, embed: jax.Array, lm_head: jax.Array, config: ModelConfig, hkv: PagedKVState,
@@ -185,5 +185,4 @@ def eagle_step(
                        features=_carry(state.features, batch, hidden[0], prefill_hidden))
     kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
     return kv, state, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
-                                        logprobs=token_logprobs(logits[0], tokens),
-                                        prefill_logprobs=prefill_logprobs(logits, prefill_next))
+                                        logits=logits[0], prefill_logits=logits[1] if batch.prefill is not None else None)
