@@ -186,6 +186,17 @@ def host_overhead(model, b: int, k: int, steps: int = 16) -> tuple[float, float]
     return (total - sum(device)) / steps - draft, draft
 
 
+def measure_verify_cost(model, k: int, b: int, reps: int = 8) -> float:
+    """Verify program time (k full-length drafts) / plain step time at batch b, greedy rows:
+    the `verify_cost_k{k}_b{b}` figure alone (`benchmarks/speculative.py` reports it)."""
+    eng = engine_for(model, b, k)
+    batch = decode_batch(eng)
+    drafts = DraftBatch(tokens=np.tile(np.arange(200, 200 + k, dtype=np.int32), (b, 1)), num_draft=np.full(b, k, np.int32))
+    times = timed({"plain": Program(*eng._program(batch, None, eng.kv, None), 2),
+                   "verify": Program(*eng._program(batch, drafts, eng.kv, eng.draft_kv), 2)}, reps)
+    return times["verify"] / times["plain"]
+
+
 def profile(model, b: int, ks: list[int], reps: int) -> dict:
     eng = engine_for(model, b, max(ks))
     batch = decode_batch(eng)

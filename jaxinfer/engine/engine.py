@@ -411,7 +411,9 @@ class Engine:
         for req, lookahead in zip(plan.decode, plan.lookahead):
             c = req.draft_carry
             if c:
-                head_tokens[req.slot, :c] = req.generated[-c:]  # the carried pairs follow emitted tokens only
+                # the tokens after the carried features, the pending one last (a prompt token
+                # when the prompt's last chunk was a single token)
+                head_tokens[req.slot, :c] = req.generated[-c:] if len(req.generated) >= c else req.all_tokens[-c:]
                 carried[req.slot], num_draft[req.slot] = c, lookahead
         prefill_carried = np.zeros(self.scheduler.max_prefill_rows, bool)
         for (req, _), row in zip(plan.prefill, plan.prefill_rows):
