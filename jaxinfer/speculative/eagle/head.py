@@ -30,7 +30,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.layer_stack import slice_layers, unstack
 from jaxinfer.loading import Model
 from jaxinfer.model.layers import linear, rms_norm
-from jaxinfer.model.params import LayerParams, ModelParams
+from jaxinfer.model.params import LayerParams
 
 
 @struct.dataclass
@@ -58,12 +58,6 @@ class EagleHead:
     embed: jax.Array  # [V, D]
     lm_head: jax.Array  # [Vd, D]
     name: str = "eagle"
-
-    @property
-    def model_params(self) -> ModelParams:
-        """The head as a one-layer model (`forward_hidden` with `inputs=` runs it)."""
-        return ModelParams(embed=self.embed, layers=(self.params.layer,), final_norm=self.params.final_norm,
-                           lm_head=self.lm_head)
 
 
 def head_config(target_config: ModelConfig) -> ModelConfig:

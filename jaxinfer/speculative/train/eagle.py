@@ -272,7 +272,7 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
     seconds = {"generate": t_gen - t0, "teacher": t_teach - t_gen, "train": time.perf_counter() - t_teach,
                "total": time.perf_counter() - t0}
     return params, vocab_ids, {
-        "config": dataclasses.asdict(cfg), "sequences": len(sequences), "train_sequences": len(train_rows),
+        "config": dataclasses.asdict(cfg), "sequences_file": sequences_file, "sequences": len(sequences), "train_sequences": len(train_rows),
         "held_out_sequences": len(held_rows), "tokens": data.distill.num_tokens,
         "train_tokens": int(data.distill.lengths[train_rows].sum()),
         "held_out_tokens": int(data.distill.lengths[held_rows].sum()), "subset_coverage_held_out": coverage,
@@ -287,7 +287,7 @@ def _fmt(values: Sequence[float]) -> str:
 
 def _sequences(target: Model, cfg: EagleTrainingConfig, prompts: Sequence[str | Sequence[int]] | None, sequences_file: str | None,
                log: Log) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """The target's answers: generated (16+ slots through the engine), or read back from
+    """The target's answers: generated (32 slots through the engine), or read back from
     `sequences_file` when it exists (it is written after a generation)."""
     import os
 
@@ -304,7 +304,7 @@ def _sequences(target: Model, cfg: EagleTrainingConfig, prompts: Sequence[str | 
     log(f"generating {len(prompts)} prompts x temperatures {cfg.temperatures}, {cfg.new_tokens} new tokens each")
     chat = all(isinstance(p, str) for p in prompts)  # token-id prompts (targets without a tokenizer) as they are
     sequences, prompt_lengths, prompt_index = generate_sequences(target, prompts, cfg.new_tokens, cfg.temperatures,
-                                                                 cfg.seed, chat=chat, max_slots=16, progress=True)
+                                                                 cfg.seed, chat=chat, max_slots=32, progress=True)
     if sequences_file:
         np.savez(sequences_file, tokens=np.concatenate(sequences), lengths=np.asarray([len(s) for s in sequences]),
                  prompt_lengths=prompt_lengths, prompt_index=prompt_index)
