@@ -274,7 +274,7 @@ def test_greedy_speculation_on_smollm2_equals_plain_decoding_for_every_draft_sou
 
     _, plain = run(None)
     for sc in (SpeculativeConfig("ngram", 4), SpeculativeConfig("self", 3, self_layers=8),
-               SpeculativeConfig("draft", 4, draft=DEFAULT_DRAFT_PATH)):
+               SpeculativeConfig("draft", 4, draft=DEFAULT_DRAFT_PATH), SpeculativeConfig("eagle", 3)):
         eng, tokens = run(sc)
         assert tokens == plain, sc.method
         stats = eng.metrics().speculative
