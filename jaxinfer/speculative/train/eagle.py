@@ -35,6 +35,7 @@ from jaxinfer.speculative.eagle.head import EagleParams, head_inputs, init_eagle
 from jaxinfer.speculative.train.data import (Log, DistillData, frequency_ranked_vocab, generate_sequences,
                                              held_out_split, pad_sequences, subset_coverage, subset_targets)
 from jaxinfer.speculative.train.dense import dense_features
+from jaxinfer.speculative.train.loop import training_schedule
 from jaxinfer.speculative.train.prompts import expanded_prompts
 
 
@@ -230,14 +231,7 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
     lm_head = jnp.asarray((tp.embed if tp.lm_head is None else tp.lm_head)[vocab_ids])
     vocab = jnp.asarray(vocab_ids)
     n = len(train_rows)
-    batch_size = min(cfg.batch_size, n)
-    steps_per_epoch = n // batch_size
-    total_steps = cfg.epochs * steps_per_epoch
-    warmup = max(1, total_steps // 20)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup_steps=warmup,
-                                                  decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * 0.1)
-    optimizer = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                            optax.adamw(schedule, weight_decay=cfg.weight_decay))
+    batch_size, steps_per_epoch, optimizer = training_schedule(cfg, n)
 
     @jax.jit
     def step(params, opt_state, frozen, batch):  # frozen = (embed, lm_head): arguments, not folded constants

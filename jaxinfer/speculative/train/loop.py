@@ -104,18 +104,25 @@ def top1_agreement(draft: DraftModel, targets: dict[str, np.ndarray], batch_size
     return hits / max(total, 1.0)
 
 
-def train(draft: DraftModel, train_targets: dict[str, np.ndarray], cfg: DraftTrainingConfig,
-          held_out: dict[str, np.ndarray] | None = None, log: Log | None = None) -> tuple[DraftModel, list[dict]]:
-    """Distil into `draft` for `cfg.epochs` epochs -> (trained draft, per-epoch figures)."""
-    n = len(train_targets["tokens"])
+def training_schedule(cfg, n: int) -> tuple[int, int, optax.GradientTransformation]:
+    """(batch size, steps per epoch, optimizer) for `n` training sequences: AdamW with a
+    linear warmup over the first 5% of steps, cosine decay to 10% of `cfg.lr`, and gradient
+    clipping (any config with lr, weight_decay, clip_norm, batch_size and epochs)."""
     batch_size = min(cfg.batch_size, n)
     steps_per_epoch = n // batch_size
     total_steps = cfg.epochs * steps_per_epoch
     warmup = max(1, total_steps // 20)
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup_steps=warmup,
                                                   decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * 0.1)
-    optimizer = optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                            optax.adamw(schedule, weight_decay=cfg.weight_decay))
+    return batch_size, steps_per_epoch, optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                                                    optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+def train(draft: DraftModel, train_targets: dict[str, np.ndarray], cfg: DraftTrainingConfig,
+          held_out: dict[str, np.ndarray] | None = None, log: Log | None = None) -> tuple[DraftModel, list[dict]]:
+    """Distil into `draft` for `cfg.epochs` epochs -> (trained draft, per-epoch figures)."""
+    n = len(train_targets["tokens"])
+    batch_size, steps_per_epoch, optimizer = training_schedule(cfg, n)
     frozen, config = draft.params, draft.config
 
     @jax.jit
