@@ -201,6 +201,16 @@ def row_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """`jnp.argmax` over the last axis (the first index of the maximum; NaN counts as the
+    maximum) as two plain reductions -> i32[...]. XLA:CPU's (value, index) reduce behind
+    `argmax` takes 1.6-3x as long over 49,152-wide rows (BENCHMARKS.md, issue 22)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == top) | jnp.isnan(logits)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
+
+
 def sample_tokens(logits: jax.Array, s: SamplingArrays, position: jax.Array) -> jax.Array:
     """Draw one token per row: f32[B, V] -> i32[B]. Greedy rows take the argmax.
 
@@ -208,7 +218,7 @@ def sample_tokens(logits: jax.Array, s: SamplingArrays, position: jax.Array) -> 
     """
 
     def greedy(_):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits)
 
     def sampled(_):
         filtered = filter_logits(logits, s)

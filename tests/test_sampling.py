@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.sampling import (FAST_TOP_K, INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, SamplingArrays,
-                               SamplingParams, filter_logits, sample_tokens)
+                               SamplingParams, filter_logits, greedy_tokens, sample_tokens)
 
 
 def arrays(n=1, **kw) -> SamplingArrays:
@@ -185,6 +185,19 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     out = np.asarray(sample_tokens(logits, s, jnp.zeros(3, jnp.int32)))
     arg = np.asarray(jnp.argmax(logits, -1))
     assert out[0] == arg[0] and out[2] == arg[2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([-np.inf, -1.0, -0.0, 0.0, 0.5, 2.0, np.inf, np.nan]), min_size=1, max_size=12),
+       st.integers(0, 2**31 - 1))
+def test_greedy_tokens_is_argmax_with_ties_infinities_and_nan(values, seed):
+    """The two-reduction argmax picks what `jnp.argmax` picks: the first maximum, NaN first."""
+    rng = np.random.default_rng(seed)
+    rows = np.stack([rng.permutation(np.asarray(values, np.float32)) for _ in range(4)])  # f32[4, n]
+    rows = np.concatenate([rows, rng.standard_normal((2, len(values))).astype(np.float32)])
+    np.testing.assert_array_equal(np.asarray(greedy_tokens(jnp.asarray(rows))), np.asarray(jnp.argmax(rows, axis=-1)))
+    blocks = jnp.asarray(rows.reshape(2, 3, -1))  # leading axes are kept: [B, k + 1, V] in verification
+    np.testing.assert_array_equal(np.asarray(greedy_tokens(blocks)), np.asarray(jnp.argmax(blocks, axis=-1)))
 
 
 def test_same_seed_and_position_repeat_exactly_and_rows_are_independent():

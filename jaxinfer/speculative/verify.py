@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import SamplingArrays, filter_logits
+from jaxinfer.sampling import SamplingArrays, filter_logits, greedy_tokens
 
 
 class Proposal(NamedTuple):
@@ -115,7 +115,7 @@ def sampling_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     flat = logits.reshape(b * t, v)
     rows = _per_position(s, t)
     probs = jax.nn.softmax(filter_logits(flat, rows), axis=-1)
-    greedy = jax.nn.one_hot(jnp.argmax(flat, axis=-1), v, dtype=probs.dtype)
+    greedy = jax.nn.one_hot(greedy_tokens(flat), v, dtype=probs.dtype)
     return jnp.where((rows.temperature > 0)[:, None], probs, greedy).reshape(b, t, v)
 
 
@@ -139,7 +139,7 @@ def verify_step(
     usable = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[B, k]
 
     def greedy(_):
-        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k + 1]
+        best = greedy_tokens(target_logits)  # i32[B, k + 1]
         n = jnp.argmin(jnp.append(usable & (draft == best[:, :k]), jnp.zeros((b, 1), bool), axis=1), axis=1)
         return n.astype(jnp.int32), best
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
-from jaxinfer.sampling import SamplingArrays, filter_logits
+from jaxinfer.sampling import SamplingArrays, filter_logits, greedy_tokens
 from jaxinfer.speculative.verify import Proposal
 from jaxinfer.step import StepBatch, prefill_groups
 
@@ -63,7 +63,7 @@ def sample_draft(logits: jax.Array, s: SamplingArrays, keys: jax.Array) -> tuple
     """Draw from the draft under the row's own temperature/top-k/top-p/min-p (any q is
     exact; one close to p is accepted more often): f32[B, Vd] -> (i32[B], q f32[B, Vd]).
     Greedy rows take the argmax with a one-hot q."""
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    best = greedy_tokens(logits)
     one_hot = jax.nn.one_hot(best, logits.shape[-1], dtype=jnp.float32)
 
     def greedy(_):
