@@ -5,6 +5,15 @@ greedy tokens after the same prompts at batch 1 and batch 16; decode throughput 
 (new tokens - 1) * batch / (time(generate N) - time(generate 1)), so prefill and the
 first token are excluded alike. Both use 2 threads. Last line: one JSON object.
 
+The same run measures this machine's limits, each in a fresh process like the systems:
+read bandwidth as XLA's f32 gemv over a 256 MB weight (the read a batch-1 decode step
+does), and the f32 matmul peak as XLA's [1024, 1024] x [1024, 1024]. Against them:
+
+    b1_frac_of_bandwidth = (weight bytes + KV bytes read per token) x tok/s at b = 1 / bandwidth
+    b16_frac_of_compute  = matmul FLOPs per token x tok/s at b = 16 / matmul peak
+
+(KV read per token at the mean context of the run, prompt + new tokens / 2.)
+
     python benchmarks/decode.py [--new-tokens 64] [--repeats 3]
 """
 
@@ -85,8 +94,62 @@ def bench_hf(model, ids: list[list[int]], new_tokens: int, repeats: int) -> floa
     return (new_tokens - 1) * len(ids) / dt
 
 
+def read_bandwidth_gbs(repeats: int = 10) -> float:
+    """GB/s of XLA's f32 gemv x[1, K] @ W[N, K].T over a 256 MB W (best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    w = jnp.ones((256 * 2**20 // (4 * 576), 576), jnp.float32)
+    x = jnp.ones((1, 576), jnp.float32)
+    gemv = jax.jit(lambda x, w: jnp.einsum("bk,nk->bn", x, w))
+    gemv(x, w).block_until_ready()
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        gemv(x, w).block_until_ready()
+        return time.perf_counter() - t0
+
+    return w.nbytes / best_of(repeats, run) / 1e9
+
+
+def matmul_peak_gflops(repeats: int = 10) -> float:
+    """GFLOP/s of XLA's f32 [1024, 1024] x [1024, 1024] (best of `repeats`)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((1024, 1024), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(a).block_until_ready()
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        matmul(a).block_until_ready()
+        return time.perf_counter() - t0
+
+    return 2 * 1024**3 / best_of(repeats, run) / 1e9
+
+
+def per_token_costs(model, context: float) -> tuple[float, float]:
+    """(bytes read, matmul FLOPs) per decoded token at `context` cached tokens: every weight
+    once plus the KV of the context; 2 FLOPs per weight of every matmul (the LM head
+    included, the embedding lookup not) plus QK^T and PV over the context."""
+    import jax
+
+    c = model.config
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    kv_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * context
+    attention_weights = c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wq, wo, wk, wv
+    matmul_weights = c.n_layers * (attention_weights + 3 * c.d_model * c.ffn_dim) + c.vocab_size * c.d_model
+    return weight_bytes + kv_bytes, 2 * matmul_weights + 4 * c.n_layers * c.n_heads * c.head_dim * context
+
+
 def run_system(system: str, batch: int, args: argparse.Namespace) -> float:
-    """Throughput of one system at one batch size, measured in this process."""
+    """Throughput of one system at one batch size, measured in this process (or, for
+    "bandwidth" / "peak", this machine's limit)."""
+    if system == "bandwidth":
+        return read_bandwidth_gbs()
+    if system == "peak":
+        return matmul_peak_gflops()
     from jaxinfer.default_model import default_model_path
     from jaxinfer.tokenizer import Tokenizer
 
@@ -120,12 +183,24 @@ def main() -> None:
         print(run_system(system, int(batch), args))
         return
 
-    results = {}
+    results = {"load_before": round(os.getloadavg()[0], 2)}
+    bandwidth, peak = in_subprocess("bandwidth", 0, args), in_subprocess("peak", 0, args)
+    print(f"read bandwidth {bandwidth:.1f} GB/s (gemv), matmul peak {peak:.0f} GFLOP/s", flush=True)
+    tok_s = {}
     for b in (1, 16):
         jx = in_subprocess("jaxinfer", b, args)
         hf = in_subprocess("hf", b, args)
         print(f"batch {b:2d}: jaxinfer {jx:7.1f} tok/s   transformers {hf:7.1f} tok/s   ratio {jx / hf:.2f}", flush=True)
         results |= {f"jaxinfer_tok_s_b{b}": round(jx, 1), f"hf_tok_s_b{b}": round(hf, 1), f"ratio_b{b}": round(jx / hf, 2)}
+        tok_s[b] = jx
+    from jaxinfer.default_model import default_model_path
+    from jaxinfer.loading import load_model
+
+    token_bytes, token_flops = per_token_costs(load_model(default_model_path(), progress=False),
+                                               args.prompt_tokens + args.new_tokens / 2)
+    results |= {"bandwidth_gbs": round(bandwidth, 1), "matmul_peak_gflops": round(peak, 1),
+                "b1_frac_of_bandwidth": round(token_bytes * tok_s[1] / (bandwidth * 1e9), 3),
+                "b16_frac_of_compute": round(token_flops * tok_s[16] / (peak * 1e9), 3)}
     print(f"# {platform.machine()}, {os.cpu_count()} cpus, prompt {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens, f32, greedy, torch threads 2")
     print(json.dumps(results))
