@@ -70,11 +70,12 @@ def dense_attention(q, k, v, qi, n, window, sinks, sink_logits, cap):
     return out
 
 
+@pytest.mark.parametrize("t", [6, 1])  # 1: a decode row, `decode_attention`'s layout
 @pytest.mark.parametrize("window,sinks,use_sink_logits,cap", [(None, 0, False, None), (5, 0, False, None), (5, 2, True, 2.0), (1, 3, False, 30.0)])
-def test_masking_options_match_a_dense_loop(window, sinks, use_sink_logits, cap):
+def test_masking_options_match_a_dense_loop(window, sinks, use_sink_logits, cap, t):
     rng = np.random.default_rng(0)
-    hq, hkv, d, page, n_pages = 4, 2, 8, 4, 5
-    n, t = 17, 6  # 17 cached tokens; the last 6 are this step's queries
+    hq, hkv, d, page, n_pages = 6, 2, 8, 4, 5
+    n = 17  # 17 cached tokens; the last t are this step's queries
     k, v = rng.standard_normal((2, n_pages * page, hkv, d))
     q = rng.standard_normal((1, t, hq, d))
     sink_logits = rng.standard_normal(hq) if use_sink_logits else None

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxinfer.engine import Engine, EngineConfig
+from jaxinfer.engine.request import Request
 from jaxinfer.loading import Model
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.tokenizer import Tokenizer
@@ -75,3 +78,60 @@ def test_generate_rejects_a_bad_batch_without_leaving_requests_behind(eng):
         eng.generate("a bare string", GREEDY)
     assert not eng.requests and not eng.has_unfinished_requests()
     assert len(eng.generate([PROMPTS[0]], GREEDY)[0].token_ids) == 24
+
+
+class _PieceDecoder:
+    """A stream decoder whose token i decodes to pieces[i] (stands in for a tokenizer's)."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def push(self, token: int) -> str:
+        return self.pieces[token]
+
+    def flush(self) -> str:
+        return ""
+
+
+class _PieceTokenizer:
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def stream_decoder(self) -> _PieceDecoder:
+        return _PieceDecoder(self.pieces)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text("ab", max_size=3), min_size=1, max_size=12), st.lists(st.text("ab", min_size=1, max_size=3), min_size=1, max_size=3))
+def test_stop_strings_cut_where_a_search_of_the_whole_text_after_each_token_would(pieces, stops):
+    """The request searches only the tail a new piece can complete; a search of the whole
+    text after every piece (the obvious way) must give the same text and stopping token."""
+    want, want_stopped_at = "", None
+    for i, piece in enumerate(pieces):
+        want += piece
+        hits = [want.find(s) for s in stops if s in want]
+        if hits:
+            want, want_stopped_at = want[: min(hits)], i
+            break
+    req = Request("r", [0], SamplingParams(max_tokens=100, stop=tuple(stops)), seed=0, eos_ids=(), tokenizer=_PieceTokenizer(pieces),
+                  cache_salt=None)
+    stopped_at = None
+    for i in range(len(pieces)):
+        req.append_token(i, now=0.0)
+        if req.finish_reason is not None:
+            stopped_at = i
+            break
+    assert (req.text, stopped_at) == (want, want_stopped_at)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=8), st.lists(st.integers(0, 9), max_size=8), st.data())
+def test_request_token_slices_equal_slices_of_all_tokens(prompt, generated, data):
+    req = Request("r", prompt, SamplingParams(), seed=0, eos_ids=(), tokenizer=None, cache_salt=None)
+    req.generated = list(generated)
+    n = req.num_tokens
+    assert n == len(req.all_tokens)
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    assert req.tokens(start, stop) == req.all_tokens[start:stop]
+    assert [req.token_at(i) for i in range(n)] == req.all_tokens

@@ -37,6 +37,9 @@ from jaxinfer.kv.streaming import StreamingSpec, ring_logical_index
 # Finite, so a row with no visible key gives a uniform softmax over zeroed values
 # (output 0) instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Decode rows (one query each) over at most this many KV heads take `decode_attention`,
+# which spends KV-heads times the attention FLOPs to skip two copies of the gathered KV.
+DECODE_LAYOUT_MAX_KV_HEADS = 4
 
 
 def paged_attention_reference(
@@ -65,6 +68,8 @@ def paged_attention_reference(
     k, v = layer_kv.gather(block_tables, kv_lengths, slots)  # [B, S, Hkv, Dh] each, dequantized
     key_index = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]  # [1, S]
     visible = visible_keys(key_index, kv_lengths, query_index, window, num_sinks)
+    if q.shape[1] == 1 and k.shape[2] <= DECODE_LAYOUT_MAX_KV_HEADS:
+        return decode_attention(q, k, v, visible[:, 0], scale, sink_logits=sink_logits, soft_cap=soft_cap).astype(q.dtype)
     scores = attention_scores(q, k, scale)
     return attention_output(scores, v, visible, sink_logits=sink_logits, soft_cap=soft_cap).astype(q.dtype)
 
@@ -131,6 +136,46 @@ def attention_output(
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, hkv * g, v.shape[-1])
+
+
+def decode_attention(
+    q: jax.Array,  # [B, 1, Hq, D]: one query per row
+    k: jax.Array,  # [B, S, Hkv, D]: as gathered
+    v: jax.Array,  # [B, S, Hkv, Dv]
+    visible: jax.Array,  # bool[B, S]
+    scale: float,
+    *,
+    sink_logits: jax.Array | None = None,  # f32[Hq]
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """`attention_scores` + `attention_output` for one query per row, laid out for XLA:CPU
+    -> f32[B, 1, Hq, Dv].
+
+    The general path's dots batch over (row, KV head), so XLA:CPU copies the gathered keys
+    and values into [B, Hkv, S, D] order in every layer. Here each query head sits in the
+    rows of its KV head in a block-diagonal [Hkv * D, Hq] matrix (zeros elsewhere), so both
+    dots batch over rows alone and read keys and values as gathered, [B, S, Hkv * D]: Hkv
+    times the (small) attention FLOPs for no copy (decode step at b = 16: -14 %, issue 22).
+    """
+    b, _, hq, d = q.shape
+    length, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    own = jnp.eye(hkv, dtype=q.dtype)  # own[k, j] = 1 iff KV head k is KV head j
+    q_block = jnp.einsum("bkgd,kj->bjdkg", q.reshape(b, hkv, g, d), own).reshape(b, hkv * d, hq)
+    scores = jnp.einsum("bsc,bch->bsh", k.reshape(b, length, hkv * d), q_block,
+                        preferred_element_type=jnp.float32) * scale  # f32[B, S, Hq]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible[:, :, None], scores, MASK_VALUE)
+    if sink_logits is None:
+        probs = jax.nn.softmax(scores, axis=1)
+    else:
+        sink = jnp.broadcast_to(sink_logits.astype(jnp.float32)[None, None, :], (b, 1, hq))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=1), axis=1)[:, :-1]
+    values = jnp.where(visible[:, :, None], v.reshape(b, length, hkv * dv), 0)  # values no query sees: zeroed
+    mixed = jnp.einsum("bsh,bsc->bhc", probs.astype(v.dtype), values, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgjd,kj->bkgd", mixed.reshape(b, hkv, g, hkv, dv), own.astype(jnp.float32))  # own blocks
+    return out.reshape(b, 1, hq, dv)
 
 
 def streaming_attention_reference(

@@ -413,7 +413,7 @@ class Engine:
             if c:
                 # the tokens after the carried features, the pending one last (a prompt token
                 # when the prompt's last chunk was a single token)
-                head_tokens[req.slot, :c] = req.generated[-c:] if len(req.generated) >= c else req.all_tokens[-c:]
+                head_tokens[req.slot, :c] = req.tokens(req.num_tokens - c, req.num_tokens)
                 carried[req.slot], num_draft[req.slot] = c, lookahead
         prefill_carried = np.zeros(self.scheduler.max_prefill_rows, bool)
         for (req, _), row in zip(plan.prefill, plan.prefill_rows):
@@ -546,13 +546,13 @@ class Engine:
         decode_tokens = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
         for req in plan.decode:
-            decode_tokens[req.slot] = req.all_tokens[req.num_computed]
+            decode_tokens[req.slot] = req.token_at(req.num_computed)
             active[req.slot] = True
         prefill = None
         if plan.prefill:
             prefill = self._idle_prefill()
             for (req, n), row in zip(plan.prefill, plan.prefill_rows):
-                prefill.tokens[row, :n] = req.all_tokens[req.num_computed : req.num_computed + n]
+                prefill.tokens[row, :n] = req.tokens(req.num_computed, req.num_computed + n)
                 prefill.slots[row], prefill.num_new[row] = req.slot, n
         # numpy leaves: jit transfers them in one go, cheaper than a jnp.asarray each
         return StepBatch(
@@ -591,10 +591,11 @@ class Engine:
                 self.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
+        mine = set(ids)
         bar = _progress_bar(len(ids), progress)
         while len(final) < len(ids):
             for out in self.step():
-                if out.finished and out.request_id in ids:
+                if out.finished and out.request_id in mine:
                     final[out.request_id] = out
                     bar.update(1)
         bar.close()

@@ -105,8 +105,27 @@ class Request:
         return self.prompt + self.generated
 
     @property
+    def num_tokens(self) -> int:
+        """len(all_tokens)."""
+        return len(self.prompt) + len(self.generated)
+
+    def token_at(self, i: int) -> int:
+        """`all_tokens[i]` without building the list."""
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.generated[i - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """`all_tokens[start:stop]` (0 <= start <= stop), copying only that slice."""
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.generated[start - n : stop - n]
+        return self.prompt[start:] + self.generated[: stop - n]
+
+    @property
     def pending(self) -> int:
-        return len(self.prompt) + len(self.generated) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def finished(self) -> bool:
@@ -135,13 +154,14 @@ class Request:
 
     def _append_text(self, piece: str) -> None:
         """Add decoded text, cutting it at the first stop string (nothing after it counts)."""
-        if self._stopped_by_string:
+        if self._stopped_by_string or not piece:
             return
+        before = len(self.text)
         self.text += piece
-        for stop in self.params.stop:
-            cut = self.text.find(stop)
-            if cut >= 0:
-                self.text, self.finish_reason, self._stopped_by_string = self.text[:cut], "stop", True
+        cuts = [self.text.find(stop, max(0, before - len(stop) + 1)) for stop in self.params.stop]  # only the tail
+        cuts = [cut for cut in cuts if cut >= 0]  # can hold a new match
+        if cuts:
+            self.text, self.finish_reason, self._stopped_by_string = self.text[: min(cuts)], "stop", True
 
     def take_output(self) -> RequestOutput:
         """The progress since the last call (text held back while a stop string may match)."""

@@ -121,10 +121,12 @@ class Scheduler:
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
-        """Take a request out of the scheduler (finished or aborted) and free its pages."""
-        if request in self.waiting:
+        """Take a request out of the scheduler (finished or aborted) and free its pages. Its
+        status says which queue holds it: a finished request costs a scan of the running
+        requests (at most max_slots), never of the waiting queue."""
+        if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        if request in self.running:
+        elif request.status is RequestStatus.RUNNING:
             self._release(request)
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
@@ -199,7 +201,7 @@ class Scheduler:
             slot = self._pick_slot(req)
             allocator = self.allocators[self.replica_of(slot)]
             cached = self._lookup_prefix(req, allocator)
-            first_chunk = min(len(req.all_tokens) - len(cached) * self.page_size, self.prefill_chunk)
+            first_chunk = min(req.num_tokens - len(cached) * self.page_size, self.prefill_chunk)
             need = self._pages_for(len(cached) * self.page_size + first_chunk) - len(cached)
             if need > allocator.num_free:
                 allocator.free(cached)
