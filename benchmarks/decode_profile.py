@@ -31,12 +31,12 @@ import platform
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from step_timer import StepTimer
 from verify_profile import CONTEXT, Program, cost, decode_batch, timed
 
 from jaxinfer.engine import Engine, EngineConfig
@@ -138,28 +138,16 @@ def traced_parts(program: Program, hlo: Hlo, calls: int = 5) -> tuple[dict[str, 
 
 
 def host_ms(eng: Engine, b: int, steps: int = 16) -> float:
-    """`Engine.step` wall time minus its device program (ms per step), decoding b requests."""
-    device = []
-    call = eng._compiles.call
-
-    def timed_call(fn, *args):
-        start = time.perf_counter()
-        out = jax.block_until_ready(call(fn, *args))
-        device.append(time.perf_counter() - start)
-        return out
-
-    eng._compiles.call = timed_call
+    """p50 of `Engine.step` wall time minus its device program (ms), decoding b requests."""
     for i in range(b):
         eng.add_request([100 + i] * CONTEXT, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed < len(r.prompt) for r in eng.scheduler.running):
-        eng.step()
-    device.clear()
-    start = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    total = time.perf_counter() - start
-    eng._compiles.call = call
-    return 1e3 * (total - sum(device)) / steps
+    with StepTimer(eng) as timer:
+        while eng.scheduler.waiting or any(r.num_computed < len(r.prompt) for r in eng.scheduler.running):
+            eng.step()
+        timer.reset()
+        for _ in range(steps):
+            eng.step()
+    return timer.host_ms_per_step
 
 
 def profile(model, b: int, reps: int) -> dict:

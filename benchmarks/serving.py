@@ -10,6 +10,11 @@ Throughput = requested output tokens / wall time, prefill included.
   static       the same Engine with scheduling="static": batches of 16 that run until their
                longest member finishes
   hf_static    transformers generate, batches of 16 (left-padded) run to the longest output
+Long tail: a second trace whose output lengths spread like chat logs (log-normal, p99/p50 >= 8),
+continuous vs static only (`continuous_over_static_longtail`).
+Host: for the continuous runs, the host time per engine step (p50 of `Engine.step` wall time
+minus its device program) and the fraction of wall time no program ran (`device_idle_frac`;
+the engine is synchronous, so that is the host's share).
 Prefix: requests = one 512-token system prompt + a short question each, max_slots 16, with
 and without the prefix cache: prompt tokens computed and mean time to first token.
 """
@@ -25,19 +30,30 @@ import sys
 import time
 
 import numpy as np
+from step_timer import StepTimer
 
 SLOTS = 16
 
 
-def trace(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def trace(n: int, seed: int = 0, output_median: float = 24, output_sigma: float = 0.9,
+          output_max: int = 256) -> tuple[list[list[int]], list[int]]:
     rng = np.random.default_rng(seed)
     prompt_lens = np.clip(rng.lognormal(np.log(48), 0.9, n), 4, 512).astype(int)
-    output_lens = np.clip(rng.lognormal(np.log(24), 0.9, n), 2, 256).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(output_median), output_sigma, n), 2, output_max).astype(int)
     prompts = [rng.integers(100, 40_000, int(p)).tolist() for p in prompt_lens]
     return prompts, output_lens.tolist()
 
 
-def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, int]:
+def longtail_trace(n: int) -> tuple[list[list[int]], list[int]]:
+    """Outputs log-normal with sigma 1.4 (p99/p50 ~ 26 before the cap at 512)."""
+    return trace(n, seed=2, output_median=12, output_sigma=1.4, output_max=512)
+
+
+def tail_ratio(outputs: list[int]) -> float:
+    return float(np.percentile(outputs, 99) / np.percentile(outputs, 50))
+
+
+def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, int, StepTimer]:
     from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.sampling import SamplingParams
 
@@ -46,11 +62,10 @@ def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, 
     engine.warmup()
     compiled = engine.metrics().compiled_programs
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    dt = time.perf_counter() - t0
+    with StepTimer(engine) as timer:
+        outs = engine.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == list(outputs)
-    return sum(outputs) / dt, engine.metrics().compiled_programs - compiled
+    return sum(outputs) / timer.wall, engine.metrics().compiled_programs - compiled, timer
 
 
 def hf_static_throughput(prompts, outputs) -> float:
@@ -106,10 +121,17 @@ def main() -> None:
     model = load_model()
     print(f"trace: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))} "
           f"(max {max(map(len, prompts))}), output tokens {sum(outputs)} (max {max(outputs)})", flush=True)
-    cont, compiles = engine_throughput(model, prompts, outputs, "continuous")
-    print(f"continuous: {cont:.1f} tok/s, compiles after warm-up: {compiles}", flush=True)
-    static, _ = engine_throughput(model, prompts, outputs, "static")
+    cont, compiles, timer = engine_throughput(model, prompts, outputs, "continuous")
+    print(f"continuous: {cont:.1f} tok/s, compiles after warm-up: {compiles}; host {timer.host_ms_per_step:.2f} ms/step "
+          f"(p50), device idle {timer.device_idle_frac:.3f} of the wall time", flush=True)
+    static, _, _ = engine_throughput(model, prompts, outputs, "static")
     print(f"static:     {static:.1f} tok/s", flush=True)
+    tail_prompts, tail_outputs = longtail_trace(args.requests)
+    tail_cont, _, tail_timer = engine_throughput(model, tail_prompts, tail_outputs, "continuous")
+    tail_static, _, _ = engine_throughput(model, tail_prompts, tail_outputs, "static")
+    print(f"long tail (outputs p99/p50 {tail_ratio(tail_outputs):.1f}, {sum(tail_outputs)} tokens, max {max(tail_outputs)}): "
+          f"continuous {tail_cont:.1f} tok/s, static {tail_static:.1f} tok/s; host {tail_timer.host_ms_per_step:.2f} ms/step, "
+          f"device idle {tail_timer.device_idle_frac:.3f}", flush=True)
     hf = float(subprocess.run([sys.executable, __file__, "--only", "hf", "--requests", str(args.requests)],
                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     print(f"hf static:  {hf:.1f} tok/s", flush=True)
@@ -123,6 +145,10 @@ def main() -> None:
         "continuous_over_hf": round(cont / hf, 2),
         "prefix_prefill_saved_frac": round(1 - computed_on / computed_off, 3),
         "prefix_ttft_ratio": round(ttft_on / ttft_off, 3), "compiles_after_warmup": compiles,
+        "continuous_over_static_longtail": round(tail_cont / tail_static, 2), "longtail_p99_over_p50": round(tail_ratio(tail_outputs), 1),
+        "host_ms_per_step": round(timer.host_ms_per_step, 3), "device_idle_frac": round(timer.device_idle_frac, 4),
+        "host_ms_per_step_longtail": round(tail_timer.host_ms_per_step, 3),
+        "device_idle_frac_longtail": round(tail_timer.device_idle_frac, 4),
     }))
 
 
