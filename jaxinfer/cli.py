@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-prefix-caching", action="store_true")
     _add_speculative_flags(srv)
     _add_compilation_cache_flag(srv)
+    _add_mesh_flags(srv)
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     return parser
 
@@ -191,16 +192,22 @@ def cmd_generate(args: argparse.Namespace) -> None:
     engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position),
                                         mesh=mesh, attention_impl=args.attention_impl, speculative=speculative,
                                         compilation_cache=not args.no_compilation_cache))
+    if engine.is_follower:  # a mesh over several processes: process 0 schedules and prints
+        engine.follow()
+        return
     start = time.perf_counter()
-    if len(prompts) == 1:
-        for piece in engine.stream(prompts[0], params, chat=chat):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    else:
-        outputs = engine.generate(prompts, params, chat=chat, progress=True)
-        for i, out in enumerate(outputs):
-            print(f"=== [{i}] {prompts[i]!r} ({out.finish_reason})\n{out.text}")
+    try:
+        if len(prompts) == 1:
+            for piece in engine.stream(prompts[0], params, chat=chat):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            outputs = engine.generate(prompts, params, chat=chat, progress=True)
+            for i, out in enumerate(outputs):
+                print(f"=== [{i}] {prompts[i]!r} ({out.finish_reason})\n{out.text}")
+    finally:
+        engine.close()
     _report_speed(engine, time.perf_counter() - start)
     if args.stats:
         for key, value in dataclasses.asdict(engine.metrics()).items():
@@ -257,16 +264,24 @@ def cmd_calibrate_kv(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from jaxinfer.engine import EngineConfig
+    import jax
+
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.engine.multihost import spans_processes
     from jaxinfer.server import build_server, serve
 
     speculative = _speculative(args)
-    model = _load(args.model, args.dtype)
+    mesh = _mesh(args)
+    model = _load(args.model, args.dtype, mesh)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=min(args.max_model_len, model.config.max_position),
                           attention_impl=args.attention_impl, speculative=speculative,
-                          compilation_cache=not args.no_compilation_cache)
+                          compilation_cache=not args.no_compilation_cache, mesh=mesh)
+    if spans_processes(mesh) and jax.process_index() != 0:  # process 0 schedules and serves HTTP; here: follow it
+        print(f"process {jax.process_index()}: following process 0's engine", file=sys.stderr, flush=True)
+        Engine(model, config).follow()
+        return
     name = args.served_model_name or args.model or "default"
     print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue)

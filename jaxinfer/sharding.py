@@ -212,10 +212,11 @@ def put(tree: Any, shardings: Any) -> Any:
     """Place a pytree of host or single-device arrays onto `shardings`.
 
     Works in multi-process runs too: every process passes the same values and each
-    builds only the shards its own devices hold (`jax.make_array_from_callback`).
+    builds only the shards its own devices hold (`jax.make_array_from_callback`); arrays
+    already spread over several processes (`load_sharded`) move by `jax.device_put`.
     """
     def one(x, sharding):
-        if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
+        if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable):
             return jax.device_put(x, sharding)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -288,11 +288,26 @@ def check_smollm() -> dict:
 
 
 def check_distributed() -> dict:
+    """One process of two: process 0 schedules (generate), process 1 follows its engine."""
     sharding.initialize_distributed(timeout_s=60)
     model = tiny()
     mesh = sharding.make_mesh("data=2,model=4")  # spans both processes' devices
-    out = {"process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
-           "tokens": engine_tokens(model, mesh), "logits": first_logits(model, mesh)}
+    out = {"process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count()}
+    engine = tiny_engine(model, mesh)
+    if jax.process_index() == 0:
+        try:  # with logprobs too: their program is a second kind of step the follower must join
+            outs = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, logprobs=2))
+        finally:
+            engine.close()
+        out["tokens"] = [list(o.token_ids) for o in outs]
+    else:
+        try:
+            engine.add_request([1, 2, 3])
+        except RuntimeError as e:
+            out["add_request_error"] = str(e)
+        engine.follow()
+        out["followed_steps"] = engine._channel._received
+    out["logits"] = first_logits(model, mesh)
     if jax.process_index() == 0:  # the single-device reference, on this process's first device
         out["ref_tokens"] = engine_tokens(model, None)
         out["max_logit_diff"] = float(np.abs(out["logits"] - first_logits(model, None)).max())

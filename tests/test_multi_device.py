@@ -172,7 +172,8 @@ def _free_port() -> int:
 
 
 def test_two_process_distributed_run_agrees():
-    """Two processes x 4 CPU devices on localhost form one data=2,model=4 mesh (gloo)."""
+    """Two processes x 4 CPU devices on localhost form one data=2,model=4 mesh (gloo):
+    process 0 schedules, process 1 runs the programs it publishes (`Engine.follow`)."""
     port = _free_port()
     procs = [
         subprocess.Popen([sys.executable, str(CHECKS), "distributed", "4"], cwd=ROOT, text=True,
@@ -193,7 +194,8 @@ def test_two_process_distributed_run_agrees():
     assert [r["process"] for r in results] == [0, 1]
     assert all(r["processes"] == 2 and r["devices"] == 8 for r in results)
     assert results[0]["tokens"] == results[0]["ref_tokens"]
-    assert results[1]["tokens"] == results[0]["tokens"]
+    assert "follows process 0" in results[1]["add_request_error"]
+    assert results[1]["followed_steps"] > 6  # every step (and logprob program), then "stop"
     assert results[0]["max_logit_diff"] < 1e-5
 
 
@@ -223,3 +225,94 @@ def test_cli_rejects_bad_mesh_before_loading():
     proc = subprocess.run([sys.executable, "-m", "jaxinfer", "generate", "--mesh", "data=3", "hi"], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
     assert proc.returncode == 2 and "needs 3 devices, but 8 are available" in proc.stderr, proc.stderr[-2000:]
+
+
+def _post(port: int, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except OSError:
+        return 0, ""
+
+
+def _pages_used(port: int) -> float:
+    _, text = _get(port, "/metrics")
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("jaxinfer_kv_pages_used ")))
+
+
+def test_two_process_serve_has_one_scheduler(tmp_path, smollm2_gguf):
+    """`jaxinfer serve` over two processes x 2 CPU devices (one data=2 mesh, gloo): process 0
+    schedules and answers HTTP, process 1 runs the programs it publishes. The answers equal
+    one process's; a request aborted mid-stream returns its pages and the processes stay in
+    step; SIGTERM on process 0 drains it and releases process 1: both exit 0."""
+    import http.client
+    import signal
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import tiny_model
+
+    from jaxinfer.checkpoint import save_orbax
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.loading import Model
+    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    config, params = tiny_model(vocab_size=tok.vocab_size, eos_ids=tok.eos_ids)
+    save_orbax(config, params, tmp_path / "tiny", tokenizer=tok)
+    prompts = ["The quick brown fox", "Über café", "def f(x):"]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.text for o in Engine(Model(config, params, tok), EngineConfig(max_slots=4, max_model_len=64)).generate(prompts, greedy)]
+
+    coordinator, http_port = _free_port(), _free_port()
+    flags = ["--model", str(tmp_path / "tiny"), "--mesh", "data=2,model=2", "--max-slots", "4", "--max-model-len", "64",
+             "--page-size", "4", "--prefill-chunk", "8", "--port", str(http_port), "--grace-period", "5",
+             "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxinfer", "serve", *flags, "--process-id", str(i)], cwd=ROOT,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"))
+             for i in range(2)]
+    try:
+        deadline = time.monotonic() + 400
+        while _get(http_port, "/health")[0] != 200:
+            assert all(p.poll() is None for p in procs), "a serve process exited early"
+            assert time.monotonic() < deadline, "the server never became healthy"
+            time.sleep(1)
+        body = lambda prompt, **kw: {"model": str(tmp_path / "tiny"), "prompt": prompt, "max_tokens": 8, "temperature": 0,  # noqa: E731
+                                     "ignore_eos": True, **kw}
+        assert [_post(http_port, body(p))["choices"][0]["text"] for p in prompts] == want
+
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=120)  # abort mid-stream
+        conn.request("POST", "/v1/completions", json.dumps(body(prompts[0], max_tokens=48, stream=True)),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.fp.readline()  # the first event: the request runs
+        conn.close()
+        while _pages_used(http_port) > 0:
+            assert time.monotonic() < deadline, "the aborted request kept its pages"
+            time.sleep(0.5)
+        assert _post(http_port, body(prompts[1]))["choices"][0]["text"] == want[1]  # still in step
+
+        procs[0].send_signal(signal.SIGTERM)
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -31,6 +31,7 @@ from jaxinfer import sharding
 from jaxinfer.attention.dispatch import require_reference
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig, EngineMetrics
+from jaxinfer.engine.multihost import StepChannel, spans_processes
 from jaxinfer.engine.request import Request, RequestMetrics, RequestOutput
 from jaxinfer.engine.scheduler import SchedulePlan, Scheduler
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
@@ -125,6 +126,8 @@ class Engine:
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._steps = 0
+        # A mesh over several processes: process 0 schedules, the others `follow` (`multihost`)
+        self._channel = StepChannel() if spans_processes(config.mesh) else None
 
     def _init_speculation(self, sc: SpeculativeConfig | None) -> None:
         """The draft source: n-gram (host), the target's first layers, or a draft model with
@@ -181,7 +184,10 @@ class Engine:
     def _commit(self, kv):
         """Fresh caches committed to the params' device, as step outputs are: a jit signature
         includes committedness, so otherwise the first step would compile a program that
-        steady state never runs again."""
+        steady state never runs again. On a mesh, `sharding` places them instead (the params'
+        first device may belong to another process)."""
+        if self.config.mesh is not None:
+            return kv
         device = next(iter(jax.tree.leaves(self.model.params)[0].devices()))
         return jax.device_put(kv, device)
 
@@ -190,6 +196,9 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, cache_salt: str | None = None, chat: bool = False) -> str:
         """Validate and queue a request; returns its id. Raises ValueError naming the problem."""
+        if self.is_follower:
+            raise RuntimeError(f"process {jax.process_index()} follows process 0's schedule: requests go to "
+                               "process 0's engine; call Engine.follow() here")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id is None:
@@ -348,7 +357,12 @@ class Engine:
     def _run(self, batch: StepBatch, drafts: DraftBatch | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple]:
         """Run the jitted step -> (tokens i32[B, k + 1], accepted i32[B], prefill tokens i32[P],
         what `_logprobs` needs, left on the device). Slot b emits tokens[b, : accepted[b] + 1]
-        (k = 0 without speculation)."""
+        (k = 0 without speculation). Across processes, the followers run it too."""
+        if self._channel is not None:
+            self._channel.publish(("run", batch, drafts))
+        return self._execute(batch, drafts)
+
+    def _execute(self, batch: StepBatch, drafts: DraftBatch | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple]:
         key = program_key(batch, drafts)
         if self._compiler is not None and key not in self._ran:
             self._compiler.claim(key)  # compiled in the background already, or now, never twice
@@ -369,7 +383,38 @@ class Engine:
         """The logprob program over a step's logits and tokens (`_run`), fetched to the host:
         (decode [B] or blocks [B, k + 1], prefill [P] or None). Its compiles count as the
         engine's: one per step shape, at the first step that asks for logprobs."""
+        if self._channel is not None:
+            self._channel.publish(("logprobs",))
         return jax.device_get(self._compiles.call(step_logprobs, *step_logits))
+
+    # ---- several processes ------------------------------------------------------------------
+
+    @property
+    def is_follower(self) -> bool:
+        """True on every process but 0 when the mesh spans processes: this engine only runs
+        the programs process 0's engine decides (`follow`)."""
+        return self._channel is not None and not self._channel.is_leader
+
+    def follow(self) -> None:
+        """Follower: run every program process 0's engine runs, with its batches, until it
+        `close`s. Compiles the programs in the background meanwhile (`start_warmup`)."""
+        if not self.is_follower:
+            raise RuntimeError("Engine.follow() is for processes other than 0 of a mesh spanning several processes")
+        self.start_warmup()
+        step_logits = None
+        while True:
+            kind, *args = self._channel.receive()
+            if kind == "stop":
+                return
+            if kind == "run":
+                *_, step_logits = self._execute(*args)
+            elif kind == "logprobs":
+                self._compiles.call(step_logprobs, *step_logits)
+
+    def close(self) -> None:
+        """Leader: release the followers (their `follow` returns). Nothing to do otherwise."""
+        if self._channel is not None and self._channel.is_leader:
+            self._channel.publish(("stop",))
 
     def _program(self, batch: StepBatch, drafts: DraftBatch | None, kv, draft_kv) -> tuple[jax.stages.Wrapped, tuple]:
         """The jitted step for `batch` and its positional arguments (jit refuses keywords next

@@ -134,6 +134,7 @@ class EngineLoop:
                 self._fail_all(e)
         for rid in list(self._live):
             self._abort(rid)
+        self.engine.close()  # other processes following this engine stop too
 
     def _drain(self, block: bool) -> None:
         """Apply every queued command; with `block`, wait (briefly) for the first one."""
