@@ -39,6 +39,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from step_timer import StepTimer
 
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import load_model
@@ -157,33 +158,22 @@ def host_overhead(model, b: int, k: int, steps: int = 16) -> tuple[float, float]
     step for b slots), from a speculating engine decoding b copies of a repetitive prompt."""
     eng = engine_for(model, b, k)
     eng.warmup()
-    device = []
-    call = eng._compiles.call
-
-    def timed_call(fn, *args):
-        start = time.perf_counter()
-        out = jax.block_until_ready(call(fn, *args))
-        device.append(time.perf_counter() - start)
-        return out
-
-    eng._compiles.call = timed_call
     prompt = ("one two three four five six seven eight nine ten " * 6).strip()
     for _ in range(b):
         eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=180, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed < len(r.prompt) for r in eng.scheduler.running):  # past prefill
-        eng.step()
-    device.clear()
-    start = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    total = time.perf_counter() - start
+    with StepTimer(eng) as timer:
+        while eng.scheduler.waiting or any(r.num_computed < len(r.prompt) for r in eng.scheduler.running):  # past prefill
+            eng.step()
+        timer.reset()
+        for _ in range(steps):
+            eng.step()
     history = np.asarray(eng.scheduler.running[0].all_tokens, np.int32)  # still running: 16 steps emit < 100 tokens
     start = time.perf_counter()
     for _ in range(steps):
         for _ in range(b):
             propose_ngram(history, k)
     draft = (time.perf_counter() - start) / steps
-    return (total - sum(device)) / steps - draft, draft
+    return float(np.mean(timer.host)) - draft, draft
 
 
 def measure_verify_cost(model, k: int, b: int, reps: int = 8) -> float:
