@@ -185,4 +185,4 @@ def masked_gather(ref, page_ids, lead_mask, channel_start: int | None = None, ch
         index.append(iota + channel_start if (axis == ndim - 1 and channels is not None) else iota)
     index = tuple(jnp.broadcast_to(i, shape) for i in index)
     mask = jnp.broadcast_to(lead_mask.reshape(*lead_mask.shape, *(1,) * (ndim - lead_mask.ndim)), shape)
-    return plgpu.load(ref.at[index], mask=mask, other=0)
+    return plgpu.load(ref.at[index], mask=mask, other=jnp.zeros((), ref.dtype))
