@@ -87,3 +87,13 @@ def test_decode_production_window_sinks_softcap():
     ref = reference(case, sink_logits=sinks, **opts)
     for kernel in (paged_decode_gpu, paged_decode_tpu):
         assert_close(_run(kernel, case, AttentionOptions(**opts), sinks), ref, "float32")
+
+
+@pytest.mark.parametrize("ppb", [1, 3])
+def test_tpu_decode_blocks_of_pages(ppb):
+    """A grid step reads `ppb` pages (1: one per step; 3: blocks that end past the walk, whose
+    extra slots re-name their last page and are masked) with window + sinks + soft-cap; pages
+    wholly behind the window are poisoned."""
+    case = make_case("int8", "float32", [13, 16, 14, 6, 0], poison_pages=[(0, 1), (1, 1), (2, 1)])
+    out = _run(paged_decode_tpu, case, AttentionOptions(**OPTIONS), SINKS, pages_per_block=ppb)
+    assert_close(out, reference(case, sink_logits=SINKS, **OPTIONS), "float32")

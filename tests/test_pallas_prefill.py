@@ -66,3 +66,10 @@ PROD = dict(head_dim=128, page=16, max_pages=3)
 def test_prefill_production_shapes(kernel, fmt, dtype, heads):
     case = make_case(fmt, dtype, [5, 17, 40], t=5, heads=heads, **PROD)
     assert_close(_run(kernel, case), reference(case), dtype)
+
+
+@pytest.mark.parametrize("ppb", [1, 3])
+def test_tpu_prefill_blocks_of_pages(ppb):
+    """Blocks of `ppb` pages per grid step over chunks crossing pages (KIVI: the tail page too)."""
+    case = make_case("int4", "float32", LENGTHS, STARTS, t=3)
+    assert_close(_run(chunked_prefill_tpu, case, pages_per_block=ppb), reference(case), "float32")
