@@ -18,12 +18,13 @@ Shapes::
     slots         i32[B] | None          cache slot of each row (KIVI tails)
     ->            [B, Hq, Dh]            q.dtype
 
-Grid (B, cdiv(max_pages, ppb)): sequence b, grid step i ("arbitrary": the carry lives in VMEM
-scratch across steps). Each step reads up to ppb pages (`pages_per_block`, default about 128
-keys), each holding all KV heads, the next step's pages in flight meanwhile; past the
-sequence's walk nothing is fetched or computed (tpu_tiles.py). The G query heads of KV head h
-are rows [h*G, (h+1)*G) of q: each page is read once for the whole group, and a step's pages
-make one [G, ppb * S] score tile per head.
+Grid (B, cdiv(steps, ppb)), steps = max_pages or, with a window, `common.decode_steps`:
+sequence b, grid step i ("arbitrary": the carry lives in VMEM scratch across steps). Each
+step reads up to ppb pages (`pages_per_block`, default about 128 keys), each holding all KV
+heads, the next step's pages in flight meanwhile; past the sequence's walk nothing is fetched
+or computed (tpu_tiles.py). The G query heads of KV head h are rows [h*G, (h+1)*G) of q: each
+page is read once for the whole group, and a step's pages make one [G, ppb * S] score tile per
+head.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_tiles
-from pallas_kernels.common import MASK_VALUE, AttentionOptions, check_decode_shapes, check_sink_logits, finalize
+from pallas_kernels.common import (MASK_VALUE, AttentionOptions, check_decode_shapes, check_sink_logits, decode_steps,
+                                   finalize)
 from pallas_kernels.formats import KernelPages
 
 
@@ -103,7 +105,8 @@ def paged_decode_tpu(
     check_decode_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)
     max_pages = block_tables.shape[1]
-    cfg = tpu_tiles.TpuConfig.of(pages, max_pages=max_pages, opts=opts, scale=scale, pages_per_block=pages_per_block)
+    cfg = tpu_tiles.TpuConfig.of(pages, max_pages=max_pages, opts=opts, scale=scale, pages_per_block=pages_per_block,
+                                 steps=decode_steps(max_pages, pages.page_size, opts))
 
     def page_of(slot, b_, i, lengths_ref, query_pos_ref, slots_ref, bt_ref):
         walk = tpu_tiles.Walk(lengths_ref[b_], query_pos_ref[b_], query_pos_ref[b_], cfg)

@@ -14,7 +14,8 @@ the kernel masks it::
     slot 0 1 2 3:    0  4  5  6         7  8  5* 6*        7* 8* 5* 6*    (* re-named: no DMA)
 
 The walk thus stops at each sequence's length (and window): later steps fetch and compute
-nothing; only empty grid steps remain, cdiv(max_pages, ppb) per query block in all.
+nothing; only empty grid steps remain, cdiv(steps, ppb) per query block in all (steps:
+max_pages, or for decode with a window the most pages a window and the sinks span).
 
 A page block holds every KV head ([S, Hkv, X]: the last two dims are whole, as Mosaic
 requires), so one DMA serves all query heads; the kernel loops over KV heads statically,
@@ -51,20 +52,22 @@ class TpuConfig:
     has_tail: bool
     opts: AttentionOptions
     scale: float
+    steps: int  # most schedule steps a query block can have (decode with a window: fewer than max_pages)
 
     @classmethod
     def of(cls, pages: KernelPages, *, max_pages: int, opts: AttentionOptions, scale: float,
-           pages_per_block: int | None = None):
-        ppb = pages_per_block or default_pages_per_block(pages.page_size, max_pages)
+           pages_per_block: int | None = None, steps: int | None = None):
+        steps = steps or max_pages
+        ppb = pages_per_block or default_pages_per_block(pages.page_size, steps)
         if ppb <= 0:
             raise ValueError(f"pages_per_block={ppb} must be positive")
         return cls(pages.format, pages.part_layouts("k"), pages.part_layouts("v"), pages.parts, pages.page_size,
-                   pages.num_kv_heads, max_pages, ppb, pages.k_tail is not None, opts, scale)
+                   pages.num_kv_heads, max_pages, ppb, pages.k_tail is not None, opts, scale, steps)
 
     @property
     def num_blocks(self) -> int:
-        """Grid steps per query block: cdiv(max_pages, pages_per_block)."""
-        return -(-self.max_pages // self.pages_per_block)
+        """Grid steps per query block: cdiv(steps, pages_per_block)."""
+        return -(-self.steps // self.pages_per_block)
 
 
 def default_pages_per_block(page_size: int, max_pages: int) -> int:

@@ -8,9 +8,10 @@ query and output blocks.
 
 GPU (`paged_decode_gpu`): the Triton kernel reads K/V with masked loads (a masked element is
 not read), so it moves the visible tokens of each head, their scales, a KIVI page's key
-scales once per page read, the tail's tokens, the query, the block-table row, and writes and
-re-reads the split-K partials. A model of those loads (DRAM sector granularity ignored), not
-a measurement.
+scales once per page read, the tail's tokens, the query rows, the block-table entries, and
+writes and re-reads the split-K partials (f32 [rows, D] per program: the query heads of up to
+16 / G_pad KV heads packed into 16 rows). A model of those loads (DRAM sector granularity
+ignored), not a measurement.
 
 The cache must supply, per sequence: its visible tokens (all of them, or the window and the
 sinks) at `jaxinfer.kv.formats` bytes_per_token, KIVI's current-page tokens from the bf16 tail.
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import tpu_tiles
-from pallas_kernels.common import AttentionOptions, cdiv, page_schedule
+from pallas_kernels.common import AttentionOptions, cdiv, decode_steps, page_schedule
 from pallas_kernels.lowering import OPTIONS, Shape, abstract_pages
 
 FORMAT_NAMES = {"dense": "bf16"}  # KernelPages' "dense" at bf16 is jaxinfer.kv's "bf16"
@@ -75,7 +76,7 @@ def tpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = Attenti
     """Traffic of `paged_decode_tpu` for sequences of `lengths` tokens (block tables: distinct pages)."""
     pages = abstract_pages(fmt, shape)
     cfg = tpu_tiles.TpuConfig.of(pages, max_pages=shape.max_pages, opts=opts, scale=1.0,
-                                 pages_per_block=pages_per_block)
+                                 pages_per_block=pages_per_block, steps=decode_steps(shape.max_pages, shape.page_size, opts))
     lengths = jnp.asarray(lengths, jnp.int32)
     tables = jnp.arange(1, 1 + shape.batch * shape.max_pages, dtype=jnp.int32)  # flattened [B, max_pages]
 
@@ -99,14 +100,15 @@ def tpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = Attenti
 def gpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = AttentionOptions()) -> Traffic:
     """Traffic of `paged_decode_gpu` (its default pages_per_block and k_splits) as a model of its loads."""
     from pallas_kernels.gpu_tiles import default_pages_per_block
-    from pallas_kernels.paged_decode_gpu import MIN_ROWS, default_k_splits
-    from pallas_kernels.common import next_power_of_2
+    from pallas_kernels.paged_decode_gpu import default_k_splits, packed_heads
 
     pages = abstract_pages(fmt, shape)
     h, d, s = shape.kv_heads, shape.head_dim, shape.page_size
-    ppb = default_pages_per_block(s, shape.max_pages)
-    splits = default_k_splits(shape.batch * h, cdiv(shape.max_pages, ppb))
-    rows = max(MIN_ROWS, next_power_of_2(shape.q_heads // h))
+    heads, rows = packed_heads(shape.q_heads // h, h)
+    blocks = h // heads  # programs per sequence and split, each [rows, D]
+    steps = decode_steps(shape.max_pages, s, opts)
+    ppb = default_pages_per_block(s, steps)
+    splits = default_k_splits(shape.batch * blocks, cdiv(steps, ppb))
     token_head = sum(_nbytes(a.shape[3:], a.dtype) for a in (pages.k, pages.v))  # one token, one head
     token_head += sum(_nbytes((), a.dtype) for a in (pages.v_scale, pages.v_zero) if a is not None)
     if not pages.is_kivi and pages.k_scale is not None:
@@ -120,10 +122,10 @@ def gpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = Attenti
         if pages.is_kivi:
             moved += h * pages_read * 2 * _nbytes((d,), pages.k_scale.dtype)  # key scale + zero per page
         moved += h * pages_read * 4  # block-table entries
-        moved += h * (_nbytes((rows, d), jnp.bfloat16) + splits * 2 * (rows * d + 2 * rows) * 4)  # q, partials
+        moved += blocks * (_nbytes((rows, d), jnp.bfloat16) + splits * 2 * (rows * d + 2 * rows) * 4)  # q, partials
         moved += _nbytes((shape.q_heads, d), jnp.bfloat16)  # output
     return Traffic(moved, cache_bytes(fmt, shape, np.asarray(lengths), opts), shape.batch,
-                   shape.batch * h * splits, 0)
+                   shape.batch * blocks * splits, 0)
 
 
 def main() -> None:
@@ -138,8 +140,7 @@ def main() -> None:
                 o = "window 1024 + sinks" if opts.window else "none"
                 for ppb in (1, None):
                     t = tpu_decode(fmt, shape, lengths, opts, ppb)
-                    print(f"| paged_decode_tpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | "
-                          f"{ppb or tpu_tiles.default_pages_per_block(shape.page_size, shape.max_pages)} | "
+                    print(f"| paged_decode_tpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | {ppb or 'default'} | "
                           f"{t.grid_steps} | {t.dmas} | {t.ratio:.3f} |")
                 g = gpu_decode(fmt, shape, lengths, opts)
                 print(f"| paged_decode_gpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | - | {g.grid_steps} | - | "
