@@ -134,12 +134,12 @@ def lower(kernel: str, target: str, fmt: str, shape: Shape = BASE, with_options:
         return jax.export.export(jitted, platforms=["tpu"])(*args).mlir_module()
 
 
-def matrix() -> list[tuple[str, str, str, Shape, bool]]:
-    """Every (kernel, target, format, shape, options) the project claims lowers: the full
-    kernel x target x format x options product at BASE, then the SWEEP shapes x every format
-    the shape could break differently (dense and the packed int4 / int2) with options."""
+def matrix(sweep_formats: tuple[str, ...] = ("dense", "int4", "int2")) -> list[tuple[str, str, str, Shape, bool]]:
+    """(kernel, target, format, shape, options) combinations: the full kernel x target x format x
+    options product at BASE, then the SWEEP shapes with options x `sweep_formats` (default: the
+    formats a shape could break differently, dense and the packed int4 / int2)."""
     full = [(k, t, f, BASE, o) for k, t, f, o in itertools.product(KERNELS, TARGETS, KERNEL_FORMATS, (False, True))]
-    sweep = [(k, t, f, s, True) for k, t, s, f in itertools.product(KERNELS, TARGETS, SWEEP, ("dense", "int4", "int2"))]
+    sweep = [(k, t, f, s, True) for k, t, s, f in itertools.product(KERNELS, TARGETS, SWEEP, sweep_formats)]
     return full + sweep
 
 
