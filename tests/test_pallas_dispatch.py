@@ -153,17 +153,26 @@ def test_engine_refuses_a_kernel_impl_for_variants_without_kernels_up_front():
         Engine(Model(config, params, None), EngineConfig(max_slots=2, streaming=(2, 6), attention_impl="pallas"))
 
 
-def _engine_tokens(model, impl: str | None = None):
-    """Greedy tokens of two prompts (10 and 3 tokens: chunked prefill, then decode) and the engine."""
+def _engine(model, impl: str | None = None):
+    """An engine for two short prompts; `impl` None: EngineConfig's default attention_impl."""
     from jaxinfer.engine import Engine, EngineConfig
-    from jaxinfer.sampling import SamplingParams
 
     extra = {} if impl is None else dict(attention_impl=impl)
-    cfg = EngineConfig(max_slots=2, page_size=4, prefill_chunk=4, max_model_len=32, **extra)
-    engine = Engine(model, cfg)
+    return Engine(model, EngineConfig(max_slots=2, page_size=4, prefill_chunk=4, max_model_len=32, **extra))
+
+
+def _generate(engine) -> list[list[int]]:
+    """Greedy tokens of two prompts (10 and 3 tokens: chunked prefill, then decode)."""
+    from jaxinfer.sampling import SamplingParams
+
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [26, 43, 38]]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    return [o.token_ids for o in outs], engine
+    return [o.token_ids for o in outs]
+
+
+def _engine_tokens(model, impl: str | None = None):
+    engine = _engine(model, impl)
+    return _generate(engine), engine
 
 
 def _tiny_engine_model():
@@ -196,13 +205,17 @@ def fake_gpu(monkeypatch):
 
 def test_kernels_that_fail_to_compile_fall_back_with_one_warning(fake_gpu, caplog):
     """On a (faked) GPU "auto" compiles the Triton kernels, which cannot compile on this CPU
-    ("Only interpret mode is supported"): every program falls back to the reference, the
-    tokens are the reference's, and one warning names the kernel."""
+    ("Only interpret mode is supported"): warm-up falls every program back to the reference
+    and serving compiles nothing more; the tokens are the reference's, and one warning names
+    the kernel."""
     model = _tiny_engine_model()
     want = _engine_tokens(model, "reference")[0]
-    tokens, engine = _engine_tokens(model)
-    assert tokens == want
-    assert engine.fallbacks and set(engine.fallbacks) == engine._ran
+    engine = _engine(model)
+    engine.warmup()
+    assert set(engine.fallbacks) == set(engine.program_keys())
+    compiled = engine.metrics().compiled_programs
+    assert _generate(engine) == want
+    assert engine.metrics().compiled_programs == compiled
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("attention kernel paged_decode_gpu failed to compile on ")

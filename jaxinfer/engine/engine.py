@@ -102,6 +102,7 @@ class Engine:
         # programs whose attention kernel failed to compile on this device: they run the reference
         self._fallbacks: dict[ProgramKey, str] = {}  # key -> the kernel that failed
         self._warned: set[str] = set()  # kernels a fallback warning named already
+        self._compiled: set[ProgramKey] = set()  # programs `_compile` compiled (kernels or their fallback)
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
             self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
@@ -356,7 +357,7 @@ class Engine:
         key = program_key(batch, drafts)
         if self._compiler is not None and key not in self._ran:
             self._compiler.claim(key)  # compiled in the background already, or now, never twice
-        elif key not in self._ran and kernels_by_default(self.config.attention_impl):
+        elif key not in self._ran and key not in self._compiled and kernels_by_default(self.config.attention_impl):
             self._compile(key)  # a kernel that fails to compile falls back here, not mid-step
         fn, args = self._program(batch, drafts, self.kv, self.draft_kv, self.attention_impl(key))
         if drafts is None:
@@ -516,7 +517,7 @@ class Engine:
         """Compile the program `key` without running it: jit's own caches keep the executable
         for the first real call. The caches are abstract (`ShapeDtypeStruct`s with their
         placements), so this may run while `step` donates the real ones."""
-        if key in self._ran:
+        if key in self._ran or key in self._compiled:
             return
         width, with_prefill, draft_width = key
         b = self.spec.max_slots
@@ -539,6 +540,7 @@ class Engine:
                 self._fall_back(key, err)
                 fn, args = self._program(batch, drafts, kv, draft_kv, "reference")
                 fn.lower(*args).compile()
+        self._compiled.add(key)
 
     def _fall_back(self, key: ProgramKey, err: Exception) -> None:
         """Program `key`'s kernels failed to compile: run it with the reference from now on,
