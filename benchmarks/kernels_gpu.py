@@ -22,7 +22,8 @@ Last line, one JSON object (figures at context 16,384, the faster page size of e
   int8_speedup_over_bf16   bf16 kernel time / int8 kernel time (goal >= 1.7)
   int4_speedup_over_bf16   bf16 kernel time / int4 kernel time (goal >= 2.8)
   pallas_over_xla_bf16     XLA reference time / bf16 kernel time
-On a machine without a CUDA GPU it says so, measures nothing and prints the keys with nulls.
+On a TPU the same measurement runs the TPU decode kernel (Mosaic); the goals are the GPU's.
+On a machine with neither it says so, measures nothing and prints the keys with nulls.
 
     python benchmarks/kernels_gpu.py [--contexts 4096 16384] [--page-sizes 16 64] [--iters 20] [--skip-checks]
 """
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
     interpret = args.interpret_smoke
     if interpret:
         args.contexts, args.page_sizes, args.batch, args.iters, args.repeats = [32], [16], 2, 2, 1
-    elif jax.default_backend() != "gpu":
-        print(f"no GPU found (JAX backend: {jax.default_backend()}): nothing measured")
+    elif jax.default_backend() not in ("gpu", "tpu"):
+        print(f"no GPU found (nor a TPU; JAX backend: {jax.default_backend()}): nothing measured")
         print(json.dumps(dict.fromkeys(KEYS)))
         return 0
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -128,7 +129,9 @@ def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int,
     from jaxinfer.kv import formats as F
     from jaxinfer.attention.reference import paged_attention_reference
     from pallas_kernels.formats import from_layer_kv
-    from pallas_kernels.paged_decode_gpu import paged_decode_gpu
+    from pallas_kernels.lowering import kernel_function
+
+    decode = kernel_function("decode", "tpu" if jax.default_backend() == "tpu" else "cuda")
 
     pages_per_seq = context // page_size
     num_pages = batch * pages_per_seq + 1
@@ -142,7 +145,7 @@ def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int,
     scale = 1 / math.sqrt(DH)
 
     def kernel(q, layer):
-        return paged_decode_gpu(q, from_layer_kv(layer), tables, lengths, slots=slots, scale=scale, interpret=interpret)
+        return decode(q, from_layer_kv(layer), tables, lengths, slots=slots, scale=scale, interpret=interpret)
 
     def xla(q, layer):
         return paged_attention_reference(q[:, None], layer, tables, lengths, (lengths - 1)[:, None], scale,

@@ -26,8 +26,9 @@ EXAMPLES = """examples:
 
 
 def _add_attention_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention-impl", default="reference", choices=["reference", "pallas", "auto"],
-                   help="paged attention: jnp reference, Pallas kernels, or auto (kernels on GPU/TPU)")
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas"],
+                   help="paged attention: auto (Pallas kernels on GPU/TPU, the reference on CPU; the "
+                   "reference for a program whose kernel fails to compile), jnp reference, or Pallas kernels")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,8 @@ reference, `jaxinfer.attention.reference.paged_attention_reference`.
     common.py               masks, page schedule, online softmax (shared math)
     formats.py              KernelPages: a cache layer as the kernels read it; in-tile dequantization
     gpu_tiles.py / tpu_tiles.py   the page walks of each target
+    lowering.py             every kernel exported for TPU v5e / v6e and CUDA (jax.export), from any machine
+    traffic.py              bytes a decode kernel moves per decoded token vs what the cache must supply
 
 Import-light: the names below are loaded on first use, so `import pallas_kernels` pulls in no
 Pallas; import the kernels from their modules (`from pallas_kernels.paged_decode_gpu import

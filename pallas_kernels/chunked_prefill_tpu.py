@@ -17,9 +17,10 @@ Shapes::
     slots         i32[B] | None          cache slot of each row (KIVI tails)
     ->            [B, T, Hq, Dh]         q.dtype
 
-Grid (B, T_pad / block_q, max_pages). A query block is `block_q` queries times every query
+Grid (B, T_pad / block_q, cdiv(max_pages, ppb)). A query block is `block_q` queries times every query
 head, laid out per KV head as rows r = t * G + g (common.prefill_rows);
-each step reads one page (all KV heads) that some query of the block can see; causality
+each step reads up to ppb pages (all KV heads) that some query of the block can see, the
+next step's pages in flight meanwhile (tpu_tiles.py); causality
 inside the chunk is the per-row mask `key <= query_pos`.
 """
 
@@ -40,7 +41,7 @@ from pallas_kernels.common import (MASK_VALUE, AttentionOptions, cdiv, check_pre
 
 def _kernel(lengths_ref, slots_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, *refs,
             cfg: tpu_tiles.TpuConfig, has_sinks: bool, num_blocks: int):
-    k_refs, v_refs, tail_refs, rest = tpu_tiles.split_refs(refs, cfg)
+    slot_refs, tail_refs, rest = tpu_tiles.split_refs(refs, cfg)
     sink_ref, o_ref, m_sc, l_sc, acc_sc = rest if has_sinks else (None, *rest)
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, q_lo, q_hi = lengths_ref[b], q_lo_ref[b * num_blocks + j], q_hi_ref[b * num_blocks + j]
@@ -53,21 +54,23 @@ def _kernel(lengths_ref, slots_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_r
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    def attend(k, v, layouts, fmt, logical):
+    def attend(slot_refs, layouts, fmt, slot_pages):
         for h in range(cfg.num_kv_heads):
             carry = tpu_tiles.read_carry(m_sc, l_sc, acc_sc, (h,), cfg.parts)
             q = tpu_tiles.q_parts(q_ref[h], cfg.parts)
-            carry = tpu_tiles.attend_head(carry, q, h, k, v, layouts, fmt, logical, length, q_lo, q_hi, row_pos, cfg)
+            carry = tpu_tiles.attend_head(carry, q, h, slot_refs, layouts, fmt, slot_pages, length, q_lo, q_hi,
+                                          row_pos, cfg)
             tpu_tiles.write_carry(m_sc, l_sc, acc_sc, (h,), carry)
 
-    @pl.when(i < walk.pool_steps)
-    def _pool_page():
-        attend(k_refs, v_refs, (cfg.k_layouts, cfg.v_layouts), cfg.fmt, walk.sched.logical_page(i))
+    @pl.when(i * cfg.pages_per_block < walk.pool_steps)
+    def _pool_pages():
+        attend(slot_refs, (cfg.k_layouts, cfg.v_layouts), cfg.fmt, tpu_tiles.block_keys(walk, i, cfg))
 
     if cfg.has_tail:
-        @pl.when(walk.use_tail & (i == walk.pool_steps))
+        @pl.when(walk.use_tail & (i == walk.pool_steps // cfg.pages_per_block))
         def _tail_page():
-            attend(tail_refs[:1], tail_refs[1:], (("token",), ("token",)), "dense", length // cfg.page_size)
+            attend(((tail_refs[:1], tail_refs[1:]),), (("token",), ("token",)), "dense",
+                   [(length // cfg.page_size, True)])
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _output():
@@ -75,7 +78,7 @@ def _kernel(lengths_ref, slots_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_r
         o_ref[...] = finalize(m_sc[...], l_sc[...], acc_sc[...], sink).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "opts", "block_q", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "opts", "block_q", "pages_per_block", "interpret"))
 def chunked_prefill_tpu(
     q: jax.Array,
     pages: KernelPages,
@@ -88,6 +91,7 @@ def chunked_prefill_tpu(
     scale: float,
     opts: AttentionOptions = AttentionOptions(),
     block_q: int | None = None,
+    pages_per_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Attention of a chunk of queries through block tables -> [B, T, Hq, Dh] (module docstring)."""
@@ -102,13 +106,13 @@ def chunked_prefill_tpu(
     bq = block_q or min(t, max(8, 128 // g_pad // 8 * 8))  # rows of a partial block: a multiple of 8 (Mosaic)
     t_pad = cdiv(t, bq) * bq
     rows, num_blocks = bq * g_pad, t_pad // bq
-    cfg = tpu_tiles.TpuConfig.of(pages, max_pages=max_pages, opts=opts, scale=scale)
+    cfg = tpu_tiles.TpuConfig.of(pages, max_pages=max_pages, opts=opts, scale=scale, pages_per_block=pages_per_block)
     q_rows, row_pos, q_lo, q_hi = prefill_rows(q, query_pos, hkv, g_pad, t_pad, bq)
 
-    def page_of(b_, j, i, lengths_ref, slots_ref, q_lo_ref, q_hi_ref, bt_ref):
+    def page_of(slot, b_, j, i, lengths_ref, slots_ref, q_lo_ref, q_hi_ref, bt_ref):
         k = b_ * num_blocks + j
         walk = tpu_tiles.Walk(lengths_ref[b_], q_lo_ref[k], q_hi_ref[k], cfg)
-        return walk.physical_page(bt_ref, b_, i, max_pages)
+        return walk.physical_page(bt_ref, b_, i, slot, cfg)
 
     def slot_of(b_, j, i, lengths_ref, slots_ref, *_):
         return slots_ref[b_]
@@ -120,11 +124,11 @@ def chunked_prefill_tpu(
         sink_specs = [pl.BlockSpec((hkv, rows, 1), lambda *_: (0, 0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(b, num_blocks, max_pages),
+        grid=(b, num_blocks, cfg.num_blocks),
         in_specs=[
             pl.BlockSpec((None, rows, 1), lambda b_, j, i, *_: (b_, j, 0)),
             pl.BlockSpec((None, hkv, rows, dh), lambda b_, j, i, *_: (b_, 0, j, 0)),
-            *tpu_tiles.page_specs(pages, page_of, slot_of),
+            *tpu_tiles.page_specs(pages, page_of, slot_of, cfg.pages_per_block),
             *sink_specs,
         ],
         out_specs=pl.BlockSpec((None, hkv, rows, dh), lambda b_, j, i, *_: (b_, 0, j, 0)),
@@ -139,7 +143,8 @@ def chunked_prefill_tpu(
         interpret=interpret,
         name="chunked_prefill_tpu",
     )(lengths.astype(jnp.int32), slots.astype(jnp.int32), q_lo.reshape(-1), q_hi.reshape(-1),
-      block_tables.astype(jnp.int32).reshape(-1), row_pos[..., None], q_rows, *tpu_tiles.page_operands(pages),
+      block_tables.astype(jnp.int32).reshape(-1), row_pos[..., None], q_rows,
+      *tpu_tiles.page_operands(pages, cfg.pages_per_block),
       *sink_args)
     out = out.reshape(b, hkv, t_pad, g_pad, dh)[:, :, :t, :group]
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dh)

@@ -112,6 +112,14 @@ def page_schedule(length, q_lo, q_hi, page_size: int, opts: AttentionOptions) ->
     return PageSchedule(jnp.minimum(sink_pages, first), first, end)
 
 
+def decode_steps(max_pages: int, page_size: int, opts: AttentionOptions) -> int:
+    """Most schedule steps one query can have (static): every page, or with a window the sink
+    pages plus the cdiv(window - 1, S) + 1 pages a window can straddle."""
+    if opts.window is None:
+        return max_pages
+    return min(max_pages, cdiv(opts.num_sinks, page_size) + cdiv(opts.window - 1, page_size) + 1)
+
+
 class Carry(NamedTuple):
     """Online-softmax state per query row: m, l f32[R, 1]; acc: channel parts f32[R, Dh / parts]."""
 

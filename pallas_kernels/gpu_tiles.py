@@ -1,13 +1,23 @@
 """The page walk shared by the GPU (Pallas Triton) kernels: block table, masked gathers, dequantization.
 
-A GPU program owns one KV head of one sequence: every page array reaches it with the head axis
-squeezed away (`part_specs`), so a stored-values ref is [P, S, X], a per-token scale ref
-[P, S], a KIVI key-scale ref [P, D] and a KIVI tail ref [M, S, D]. `walk_pages` runs the
-schedule steps [start, stop) `pages_per_block` pages at a time::
+A GPU program owns `heads` consecutive KV heads of one sequence (decode packs the query heads
+of several KV heads into one 16-row tile instead of padding one group to 16 rows; prefill
+owns one KV head): every page array reaches it with a head block of that size
+(`part_specs`), so a stored-values ref is [P, S, heads, X], a per-token scale ref
+[P, S, heads], a KIVI key-scale ref [P, heads, D] and a KIVI tail ref [M, S, heads, D].
+`walk_pages` runs the schedule steps [start, stop) `pages_per_block` pages at a time::
 
     steps -> logical pages (common.PageSchedule) -> block_tables[b, logical] (masked load)
-          -> masked gathers of K/V pages of this head (a masked element is not read)
+          -> masked gathers of K/V pages of these heads (a masked element is not read)
           -> dequantize channel parts (formats.dequantize_part) -> common.attend_tile
+
+A tile's keys are laid out (page, token, head): column c = (i * S + t) * heads + p, and query
+row r belongs to head r // (rows / heads), so a row sees only its own head's columns::
+
+    heads = 2, G = 4 query heads per KV head, 1 page of S = 2 tokens:
+                 col: (t0,h0) (t0,h1) (t1,h0) (t1,h1)
+    rows 0-3 (h0):      x               x
+    rows 4-7 (h1):              x               x
 
 `attend_tail` folds in a KIVI sequence's current page from its slot's full-precision tail.
 Everything here lowers through the Pallas Triton backend: gathers become pointer tensors,
@@ -41,11 +51,13 @@ class TileConfig:
     has_tail: bool
     opts: AttentionOptions
     scale: float
+    heads: int = 1  # KV heads per program; query rows [p * R / heads, (p + 1) * R / heads) read head p
 
     @classmethod
-    def of(cls, pages: KernelPages, *, pages_per_block: int, max_pages: int, opts: AttentionOptions, scale: float):
+    def of(cls, pages: KernelPages, *, pages_per_block: int, max_pages: int, opts: AttentionOptions, scale: float,
+           heads: int = 1):
         return cls(pages.format, pages.part_layouts("k"), pages.part_layouts("v"), pages.parts, pages.page_size,
-                   pages_per_block, max_pages, pages.k_tail is not None, opts, scale)
+                   pages_per_block, max_pages, pages.k_tail is not None, opts, scale, heads)
 
 
 def page_operands(pages: KernelPages) -> tuple[jax.Array, ...]:
@@ -54,16 +66,14 @@ def page_operands(pages: KernelPages) -> tuple[jax.Array, ...]:
     return (*pages.k_parts(), *pages.v_parts(), *tails)
 
 
-def part_specs(pages: KernelPages, head_of) -> list[pl.BlockSpec]:
-    """BlockSpecs (same order as `page_operands`) giving a program the whole pool of its KV head.
-
-    `head_of(*grid_ids)` is the KV head a program owns.
-    """
+def part_specs(pages: KernelPages, head_of, heads: int = 1) -> list[pl.BlockSpec]:
+    """BlockSpecs (same order as `page_operands`) giving a program the whole pool of its `heads`
+    KV heads. `head_of(*grid_ids)` is the program's head block (heads [head_of * heads, ...))."""
     layouts = (*pages.part_layouts("k"), *pages.part_layouts("v"), *(("token",) * 2 if pages.k_tail is not None else ()))
     specs = []
     for array, layout in zip(page_operands(pages), layouts):
         head_axis = 2 if layout == "token" else 1
-        block = tuple(None if axis == head_axis else n for axis, n in enumerate(array.shape))
+        block = tuple(heads if axis == head_axis else n for axis, n in enumerate(array.shape))
 
         def index_map(*ids, head_axis=head_axis, ndim=array.ndim):
             return tuple(head_of(*ids) if axis == head_axis else 0 for axis in range(ndim))
@@ -142,15 +152,22 @@ def _attend_pages(carry, q, k_refs, v_refs, layouts, fmt, page_ids, logical, in_
     ok = in_block[:, None] & visible_span(key_pos, q_lo, q_hi, length, cfg.opts)  # read only these keys
     k = load_kv_tile(fmt, k_refs, layouts[0], page_ids, ok, in_block, cfg.parts)
     v = load_kv_tile(fmt, v_refs, layouts[1], page_ids, ok, in_block, cfg.parts)
-    n = ok.shape[0] * ok.shape[1]
-    vis = ok.reshape(1, n)
+    n, heads = ok.shape[0] * ok.shape[1] * cfg.heads, cfg.heads
+    col_ok = jnp.broadcast_to(ok[:, :, None], (*ok.shape, heads)).reshape(1, n)  # columns (page, token, head)
+    vis = col_ok
+    if heads > 1:
+        col_head = jax.lax.broadcasted_iota(jnp.int32, (*ok.shape, heads), 2).reshape(1, n)
+        row_head = jax.lax.broadcasted_iota(jnp.int32, (q[0].shape[0], 1), 0) // (q[0].shape[0] // heads)
+        vis = vis & (row_head == col_head)
     if row_pos is not None:
-        vis = vis & visible(key_pos.reshape(1, n), row_pos, length, cfg.opts)
-    return attend_tile(carry, q, k, v, vis, ok.reshape(n, 1), scale=cfg.scale, soft_cap=cfg.opts.soft_cap)
+        col_pos = jnp.broadcast_to(key_pos[:, :, None], (*ok.shape, heads)).reshape(1, n)
+        vis = vis & visible(col_pos, row_pos, length, cfg.opts)
+    return attend_tile(carry, q, k, v, vis, col_ok.reshape(n, 1), scale=cfg.scale, soft_cap=cfg.opts.soft_cap)
 
 
 def load_kv_tile(fmt: str, refs, layouts, page_ids, key_ok, in_block, parts: int) -> tuple[jax.Array, ...]:
-    """Gather pages `page_ids` (i32[n]) of one head -> channel parts, each [n * S, D / parts].
+    """Gather pages `page_ids` (i32[n]) of the program's heads -> channel parts, each
+    [n * S * heads, D / parts] (rows: page, token, head).
 
     key_ok bool[n, S] masks per token (those keys are not read and come back as 0); in_block
     bool[n] masks per page for the KIVI per-channel key scales.
@@ -160,15 +177,15 @@ def load_kv_tile(fmt: str, refs, layouts, page_ids, key_ok, in_block, parts: int
     width = stored_ref.shape[-1] if packed else stored_ref.shape[-1] // parts
     out = []
     for i in range(parts):
-        stored = masked_gather(stored_ref, page_ids, key_ok, 0 if packed else i * width, width)
+        stored = masked_gather(stored_ref, page_ids, key_ok, 0 if packed else i * width, width)  # [n, S, heads, w]
         scales = []
         for ref, layout in zip(scale_refs, layouts[1:]):
-            if layout == "token":  # [P, S] -> [n, S, 1]
-                scales.append(masked_gather(ref, page_ids, key_ok)[:, :, None])
-            else:  # per channel [P, D] -> part i: [n, 1, width]
-                scales.append(masked_gather(ref, page_ids, in_block, i * width, width)[:, None, :])
+            if layout == "token":  # [P, S, heads] -> [n, S, heads, 1]
+                scales.append(masked_gather(ref, page_ids, key_ok)[..., None])
+            else:  # per channel [P, heads, D] -> part i: [n, 1, heads, width]
+                scales.append(masked_gather(ref, page_ids, in_block, i * width, width)[:, None])
         x = dequantize_part(fmt, stored, i, *scales)
-        out.append(x.reshape(x.shape[0] * x.shape[1], x.shape[2]))
+        out.append(x.reshape(x.shape[0] * x.shape[1] * x.shape[2], x.shape[3]))
     return tuple(out)
 
 
@@ -185,4 +202,4 @@ def masked_gather(ref, page_ids, lead_mask, channel_start: int | None = None, ch
         index.append(iota + channel_start if (axis == ndim - 1 and channels is not None) else iota)
     index = tuple(jnp.broadcast_to(i, shape) for i in index)
     mask = jnp.broadcast_to(lead_mask.reshape(*lead_mask.shape, *(1,) * (ndim - lead_mask.ndim)), shape)
-    return plgpu.load(ref.at[index], mask=mask, other=0)
+    return plgpu.load(ref.at[index], mask=mask, other=jnp.zeros((), ref.dtype))

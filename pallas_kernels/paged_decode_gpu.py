@@ -20,8 +20,11 @@ Shapes::
     slots         i32[B] | None          cache slot of each row (KIVI tails; default arange(B))
     ->            [B, Hq, Dh]            q.dtype
 
-Grid (B, Hkv, k_splits). Program (b, h, s) takes the G = Hq / Hkv query heads that read KV head
-h (padded to `rows` >= 16, tl.dot's minimum), so each K/V page is read once for the whole group::
+Grid (B, Hkv / H, k_splits). Program (b, h, s) takes H consecutive KV heads and the G = Hq / Hkv
+query heads reading each: `rows` >= 16 (tl.dot's minimum) hold H groups of G (padded to a power
+of two), H = 16 / G_pad where Hkv allows, so a GQA group of 4 fills a 16-row tile with 4 KV
+heads instead of 12 rows of padding (gpu_tiles.py draws the tile). Each K/V page is read once
+for the whole group::
 
     schedule of sequence b (common.page_schedule):  step 0 1 2 3 4 5 6 7 ...   count = 7
     k_splits = 2, steps_per_split = 4:              |- split 0 -|- split 1 -|
@@ -43,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_tiles
-from pallas_kernels.common import (AttentionOptions, cdiv, check_decode_shapes, check_sink_logits, finalize,
-                                   init_carry, merge_partials, next_power_of_2, page_schedule)
+from pallas_kernels.common import (AttentionOptions, cdiv, check_decode_shapes, check_sink_logits, decode_steps,
+                                   finalize, init_carry, merge_partials, next_power_of_2, page_schedule)
 from pallas_kernels.formats import KernelPages
 
 MIN_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
@@ -105,23 +108,27 @@ def paged_decode_gpu(
     check_sink_logits(sink_logits, hq)
     hkv, page_size, max_pages = pages.num_kv_heads, pages.page_size, block_tables.shape[1]
     group = hq // hkv
-    rows = max(MIN_ROWS, next_power_of_2(group))
-    ppb = pages_per_block or gpu_tiles.default_pages_per_block(page_size, max_pages)
-    splits = k_splits or default_k_splits(b * hkv, cdiv(max_pages, ppb))
+    heads, rows = packed_heads(group, hkv)
+    g_rows, blocks = rows // heads, hkv // heads  # rows per KV head, head blocks
+    steps = decode_steps(max_pages, page_size, opts)  # a window caps the walk: split that, not max_pages
+    ppb = pages_per_block or gpu_tiles.default_pages_per_block(page_size, steps)
+    splits = k_splits or default_k_splits(b * blocks, cdiv(steps, ppb))
     if not interpret:
         check_triton_shapes(page_size, dh // pages.parts, ppb)
-    steps_per_split = cdiv(cdiv(max_pages, splits), ppb) * ppb
-    cfg = gpu_tiles.TileConfig.of(pages, pages_per_block=ppb, max_pages=max_pages, opts=opts, scale=scale)
+    steps_per_split = cdiv(cdiv(steps, splits), ppb) * ppb
+    cfg = gpu_tiles.TileConfig.of(pages, pages_per_block=ppb, max_pages=max_pages, opts=opts, scale=scale,
+                                  heads=heads)
 
-    q_rows = jnp.pad(q.reshape(b, hkv, group, dh), ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    q_rows = jnp.pad(q.reshape(b, hkv, group, dh), ((0, 0), (0, 0), (0, g_rows - group), (0, 0)))
+    q_rows = q_rows.reshape(b, blocks, rows, dh)  # row r of block h: KV head h * heads + r // g_rows
     acc, m, l = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, steps_per_split=steps_per_split),
-        grid=(b, hkv, splits),
+        grid=(b, blocks, splits),
         in_specs=[
             gpu_tiles.whole(lengths), gpu_tiles.whole(query_pos), gpu_tiles.whole(slots),
             pl.BlockSpec((None, max_pages), lambda b_, h, s: (b_, 0)),
             pl.BlockSpec((None, None, rows, dh), lambda b_, h, s: (b_, h, 0, 0)),
-            *gpu_tiles.part_specs(pages, lambda b_, h, s: h),
+            *gpu_tiles.part_specs(pages, lambda b_, h, s: h, heads),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, dh), lambda b_, h, s: (s, b_, h, 0, 0)),
@@ -129,9 +136,9 @@ def paged_decode_gpu(
             pl.BlockSpec((None, None, None, rows), lambda b_, h, s: (s, b_, h, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((splits, b, hkv, rows, dh), jnp.float32),
-            jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32),
-            jax.ShapeDtypeStruct((splits, b, hkv, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, blocks, rows, dh), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, blocks, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, blocks, rows), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -139,13 +146,23 @@ def paged_decode_gpu(
     )(lengths.astype(jnp.int32), query_pos.astype(jnp.int32), slots.astype(jnp.int32),
       block_tables.astype(jnp.int32), q_rows, *gpu_tiles.page_operands(pages))
 
-    m, l, acc = merge_partials(m[..., None], l[..., None], acc)  # [B, Hkv, rows, ...]
+    m, l, acc = merge_partials(m[..., None], l[..., None], acc)  # [B, blocks, rows, ...]
     sink = None
     if sink_logits is not None:
-        sink = jnp.pad(sink_logits.astype(jnp.float32).reshape(hkv, group), ((0, 0), (0, rows - group)))
-        sink = jnp.broadcast_to(sink[None, :, :, None], (b, hkv, rows, 1))
-    out = finalize(m, l, acc, sink)[:, :, :group]
+        sink = jnp.pad(sink_logits.astype(jnp.float32).reshape(hkv, group), ((0, 0), (0, g_rows - group)))
+        sink = jnp.broadcast_to(sink.reshape(1, blocks, rows, 1), (b, blocks, rows, 1))
+    out = finalize(m, l, acc, sink).reshape(b, hkv, g_rows, dh)[:, :, :group]
     return out.reshape(b, hq, dh).astype(q.dtype)
+
+
+def packed_heads(group: int, num_kv_heads: int) -> tuple[int, int]:
+    """(KV heads per program H, tile rows R): groups padded to a power of two G_pad, H = the
+    largest power of two <= 16 / G_pad dividing num_kv_heads, R = max(16, H * G_pad)."""
+    g_pad = next_power_of_2(group)
+    heads = max(1, MIN_ROWS // g_pad)
+    while num_kv_heads % heads:
+        heads //= 2
+    return heads, max(MIN_ROWS, heads * g_pad)
 
 
 def default_k_splits(programs: int, blocks_per_seq: int, target_programs: int = 256) -> int:

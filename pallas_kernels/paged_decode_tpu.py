@@ -18,9 +18,13 @@ Shapes::
     slots         i32[B] | None          cache slot of each row (KIVI tails)
     ->            [B, Hq, Dh]            q.dtype
 
-Grid (B, max_pages): sequence b, schedule step i ("arbitrary": the carry lives in VMEM
-scratch across steps). Each step reads one page holding all KV heads; the G query heads of
-KV head h are rows [h*G, (h+1)*G) of q, so each page is read once for the whole group.
+Grid (B, cdiv(steps, ppb)), steps = max_pages or, with a window, `common.decode_steps`:
+sequence b, grid step i ("arbitrary": the carry lives in VMEM scratch across steps). Each
+step reads up to ppb pages (`pages_per_block`, default about 128 keys), each holding all KV
+heads, the next step's pages in flight meanwhile; past the sequence's walk nothing is fetched
+or computed (tpu_tiles.py). The G query heads of KV head h are rows [h*G, (h+1)*G) of q: each
+page is read once for the whole group, and a step's pages make one [G, ppb * S] score tile per
+head.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_tiles
-from pallas_kernels.common import MASK_VALUE, AttentionOptions, check_decode_shapes, check_sink_logits, finalize
+from pallas_kernels.common import (MASK_VALUE, AttentionOptions, check_decode_shapes, check_sink_logits, decode_steps,
+                                   finalize)
 from pallas_kernels.formats import KernelPages
 
 
 def _kernel(lengths_ref, query_pos_ref, slots_ref, bt_ref, q_ref, *refs, cfg: tpu_tiles.TpuConfig,
             has_sinks: bool):
-    k_refs, v_refs, tail_refs, rest = tpu_tiles.split_refs(refs, cfg)
+    slot_refs, tail_refs, rest = tpu_tiles.split_refs(refs, cfg)
     sink_ref, o_ref, m_sc, l_sc, acc_sc = rest if has_sinks else (None, *rest)
     b, i = pl.program_id(0), pl.program_id(1)
     length, query_pos = lengths_ref[b], query_pos_ref[b]
@@ -52,23 +57,24 @@ def _kernel(lengths_ref, query_pos_ref, slots_ref, bt_ref, q_ref, *refs, cfg: tp
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    def attend(k, v, layouts, fmt, logical):
+    def attend(slot_refs, layouts, fmt, slot_pages):
         for h in range(cfg.num_kv_heads):
             rows = (pl.ds(h * group, group), slice(None))
             carry = tpu_tiles.read_carry(m_sc, l_sc, acc_sc, rows, cfg.parts)
             q = tpu_tiles.q_parts(q_ref[rows], cfg.parts)
-            carry = tpu_tiles.attend_head(carry, q, h, k, v, layouts, fmt, logical, length, query_pos, query_pos,
-                                          None, cfg)
+            carry = tpu_tiles.attend_head(carry, q, h, slot_refs, layouts, fmt, slot_pages, length, query_pos,
+                                          query_pos, None, cfg)
             tpu_tiles.write_carry(m_sc, l_sc, acc_sc, rows, carry)
 
-    @pl.when(i < walk.pool_steps)
-    def _pool_page():
-        attend(k_refs, v_refs, (cfg.k_layouts, cfg.v_layouts), cfg.fmt, walk.sched.logical_page(i))
+    @pl.when(i * cfg.pages_per_block < walk.pool_steps)
+    def _pool_pages():
+        attend(slot_refs, (cfg.k_layouts, cfg.v_layouts), cfg.fmt, tpu_tiles.block_keys(walk, i, cfg))
 
     if cfg.has_tail:
-        @pl.when(walk.use_tail & (i == walk.pool_steps))
+        @pl.when(walk.use_tail & (i == walk.pool_steps // cfg.pages_per_block))
         def _tail_page():
-            attend(tail_refs[:1], tail_refs[1:], (("token",), ("token",)), "dense", length // cfg.page_size)
+            attend(((tail_refs[:1], tail_refs[1:]),), (("token",), ("token",)), "dense",
+                   [(length // cfg.page_size, True)])
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _output():
@@ -76,7 +82,7 @@ def _kernel(lengths_ref, query_pos_ref, slots_ref, bt_ref, q_ref, *refs, cfg: tp
         o_ref[...] = finalize(m_sc[...], l_sc[...], acc_sc[...], sink).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "opts", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "opts", "pages_per_block", "interpret"))
 def paged_decode_tpu(
     q: jax.Array,
     pages: KernelPages,
@@ -88,6 +94,7 @@ def paged_decode_tpu(
     *,
     scale: float,
     opts: AttentionOptions = AttentionOptions(),
+    pages_per_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention through block tables -> [B, Hq, Dh] (see the module docstring)."""
@@ -98,11 +105,12 @@ def paged_decode_tpu(
     check_decode_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)
     max_pages = block_tables.shape[1]
-    cfg = tpu_tiles.TpuConfig.of(pages, max_pages=max_pages, opts=opts, scale=scale)
+    cfg = tpu_tiles.TpuConfig.of(pages, max_pages=max_pages, opts=opts, scale=scale, pages_per_block=pages_per_block,
+                                 steps=decode_steps(max_pages, pages.page_size, opts))
 
-    def page_of(b_, i, lengths_ref, query_pos_ref, slots_ref, bt_ref):
+    def page_of(slot, b_, i, lengths_ref, query_pos_ref, slots_ref, bt_ref):
         walk = tpu_tiles.Walk(lengths_ref[b_], query_pos_ref[b_], query_pos_ref[b_], cfg)
-        return walk.physical_page(bt_ref, b_, i, max_pages)
+        return walk.physical_page(bt_ref, b_, i, slot, cfg)
 
     def slot_of(b_, i, lengths_ref, query_pos_ref, slots_ref, bt_ref):
         return slots_ref[b_]
@@ -113,10 +121,10 @@ def paged_decode_tpu(
         sink_specs = [pl.BlockSpec((hq, 1), lambda *_: (0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(b, max_pages),
+        grid=(b, cfg.num_blocks),
         in_specs=[
             pl.BlockSpec((None, hq, dh), lambda b_, i, *_: (b_, 0, 0)),
-            *tpu_tiles.page_specs(pages, page_of, slot_of),
+            *tpu_tiles.page_specs(pages, page_of, slot_of, cfg.pages_per_block),
             *sink_specs,
         ],
         out_specs=pl.BlockSpec((None, hq, dh), lambda b_, i, *_: (b_, 0, 0)),
@@ -131,4 +139,5 @@ def paged_decode_tpu(
         interpret=interpret,
         name="paged_decode_tpu",
     )(lengths.astype(jnp.int32), query_pos.astype(jnp.int32), slots.astype(jnp.int32),
-      block_tables.astype(jnp.int32).reshape(-1), q, *tpu_tiles.page_operands(pages), *sink_args)
+      block_tables.astype(jnp.int32).reshape(-1), q, *tpu_tiles.page_operands(pages, cfg.pages_per_block),
+      *sink_args)

@@ -35,39 +35,44 @@ class Case:
     lengths: jnp.ndarray  # i32[B]
     query_index: jnp.ndarray  # i32[B, T]
     slots: jnp.ndarray  # i32[B]
-    scale: float = 1.0 / np.sqrt(DH)
+    scale: float
 
 
 def make_case(fmt: str, dtype: str, lengths, starts=None, t: int = 1, seed: int = 0, max_pages: int = MAX_PAGES,
-              poison_pages=()) -> Case:
+              poison_pages=(), heads: tuple[int, int] = (HQ, HKV), head_dim: int = DH, page: int = PAGE) -> Case:
     """Sequence b holds lengths[b] tokens; its T queries sit at starts[b] + t (default: the last T).
+
+    Shapes: `heads` = (query heads, KV heads), `head_dim`, `page` (tokens per page); the
+    defaults are toy sizes, tests at production-like sizes pass e.g. head_dim=128, page=16.
 
     Block tables are random permutations of the pool; entries past a sequence's pages point at
     page 0 (NULL_PAGE) or at another sequence's pages. `poison_pages` lists (b, logical page)
     pairs to poison although they are owned (pages a mask must keep the kernel from reading).
     """
     rng = np.random.default_rng(seed)
+    hq, hkv = heads
     lengths = np.asarray(lengths, np.int32)
     b = len(lengths)
     num_pages = 1 + b * max_pages
     table = rng.permutation(np.arange(1, num_pages)).reshape(b, max_pages).astype(np.int32)
-    owned = np.zeros((num_pages, PAGE), bool)  # pool tokens some sequence may read
+    owned = np.zeros((num_pages, page), bool)  # pool tokens some sequence may read
     for i, n in enumerate(lengths):
-        used = -(-n // PAGE)
+        used = -(-n // page)
         for j in range(used, max_pages):  # unused entries: NULL_PAGE or a neighbour's page
             table[i, j] = NULL_PAGE if (i + j) % 2 else table[(i + 1) % b, j]
         for pos in range(n):
-            owned[table[i, pos // PAGE], pos % PAGE] = True
+            owned[table[i, pos // page], pos % page] = True
     for i, j in poison_pages:
         owned[table[i, j]] = False
     slots = rng.permutation(b).astype(np.int32)
-    k = rng.normal(size=(num_pages, PAGE, HKV, DH)).astype(np.float32)
-    v = rng.normal(size=(num_pages, PAGE, HKV, DH)).astype(np.float32)
+    k = rng.normal(size=(num_pages, page, hkv, head_dim)).astype(np.float32)
+    v = rng.normal(size=(num_pages, page, hkv, head_dim)).astype(np.float32)
     layer = _layer(fmt, dtype, k, v, owned, table, lengths, slots, rng)
     starts = lengths - t if starts is None else np.asarray(starts, np.int32)
     query_index = starts[:, None] + np.arange(t, dtype=np.int32)[None, :]
-    q = jnp.asarray(rng.normal(size=(b, t, HQ, DH)), dtype)
-    return Case(q, layer, jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(query_index), jnp.asarray(slots))
+    q = jnp.asarray(rng.normal(size=(b, t, hq, head_dim)), dtype)
+    return Case(q, layer, jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(query_index), jnp.asarray(slots),
+                1.0 / np.sqrt(head_dim))
 
 
 def _poison(x, keep):
@@ -84,17 +89,18 @@ def _layer(fmt, dtype, k, v, owned, table, lengths, slots, rng):
         (kq, ks), (vq, vs) = quant(jnp.asarray(k)), quant(jnp.asarray(v))
         return TokenQuantLayerKV(kq, vq, _poison(ks, owned), _poison(vs, owned), format=fmt, dtype=dtype)
     bits = F.get_format(fmt).bits
+    page, hkv, head_dim = k.shape[1:]
     current = np.zeros_like(owned)  # a sequence's current page is read from its tail, not the pool
-    tail_keep = np.zeros((len(lengths), PAGE), bool)
+    tail_keep = np.zeros((len(lengths), page), bool)
     for i, n in enumerate(lengths):
-        if n % PAGE:  # the partly filled page: its tokens live in the slot's tail
-            current[table[i, n // PAGE]] = True
-            tail_keep[slots[i], : n % PAGE] = True
+        if n % page:  # the partly filled page: its tokens live in the slot's tail
+            current[table[i, n // page]] = True
+            tail_keep[slots[i], : n % page] = True
     pool = owned & ~current.any(axis=1, keepdims=True)
     kq, ks, kz = F.quantize_kivi_keys(jnp.asarray(k), bits)
     vq, vs, vz = F.quantize_kivi_values(jnp.asarray(v), bits)
     page_keep = pool.any(axis=1)
-    tails = [jnp.asarray(rng.normal(size=(len(lengths), PAGE, HKV, DH)), dtype) for _ in range(2)]
+    tails = [jnp.asarray(rng.normal(size=(len(lengths), page, hkv, head_dim)), dtype) for _ in range(2)]
     return KiviLayerKV(kq, vq, _poison(ks, page_keep), _poison(kz, page_keep), _poison(vs, pool), _poison(vz, pool),
                        _poison(tails[0], tail_keep), _poison(tails[1], tail_keep), format=fmt)
 

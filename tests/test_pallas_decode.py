@@ -56,3 +56,44 @@ def test_tpu_decode_kivi_window_sinks_softcap():
     case = make_case("int4", "float32", [13, 16, 14, 6], poison_pages=[(0, 1), (1, 1), (2, 1)])
     out = _run(paged_decode_tpu, case, AttentionOptions(**OPTIONS), SINKS)
     assert_close(out, reference(case, sink_logits=SINKS, **OPTIONS), "float32")
+
+
+# Production-like sizes: head_dim 128, page 16, 32 query / 8 KV heads (GQA 4) or MQA 8 / 1.
+# Lengths 1, a page, a page + 1 and 40 over 3 pages per sequence; NaN outside what each may read.
+PROD = dict(head_dim=128, page=16, max_pages=3)
+PROD_LENGTHS = [1, 16, 17, 40]
+
+
+@pytest.mark.parametrize("fmt,dtype,heads", [
+    ("dense", "bfloat16", (32, 8)), ("int8", "float32", (32, 8)), ("fp8_e4m3", "float32", (8, 1)),
+    ("int4", "float32", (32, 8)), ("int2", "float32", (8, 1)),
+])
+def test_gpu_decode_production_shapes(fmt, dtype, heads):
+    case = make_case(fmt, dtype, PROD_LENGTHS, heads=heads, **PROD)
+    assert_close(_run(paged_decode_gpu, case), reference(case), dtype)
+
+
+@pytest.mark.parametrize("fmt,dtype,heads", [("dense", "bfloat16", (32, 8)), ("int4", "float32", (8, 1))])
+def test_tpu_decode_production_shapes(fmt, dtype, heads):
+    case = make_case(fmt, dtype, PROD_LENGTHS, heads=heads, **PROD)
+    assert_close(_run(paged_decode_tpu, case), reference(case), dtype)
+
+
+def test_decode_production_window_sinks_softcap():
+    """Window 8 + 4 sinks + soft-cap + sink logits at head_dim 128: the page wholly between
+    the sinks and the window of sequence 0 (length 40) is poisoned, both targets skip it."""
+    case = make_case("int8", "float32", [40, 17], heads=(8, 1), poison_pages=[(0, 1)], **PROD)
+    opts, sinks = dict(window=8, num_sinks=4, soft_cap=30.0), jnp.linspace(-1.0, 1.0, 8)
+    ref = reference(case, sink_logits=sinks, **opts)
+    for kernel in (paged_decode_gpu, paged_decode_tpu):
+        assert_close(_run(kernel, case, AttentionOptions(**opts), sinks), ref, "float32")
+
+
+@pytest.mark.parametrize("ppb", [1, 3])
+def test_tpu_decode_blocks_of_pages(ppb):
+    """A grid step reads `ppb` pages (1: one per step; 3: blocks that end past the walk, whose
+    extra slots re-name their last page and are masked) with window + sinks + soft-cap; pages
+    wholly behind the window are poisoned."""
+    case = make_case("int8", "float32", [13, 16, 14, 6, 0], poison_pages=[(0, 1), (1, 1), (2, 1)])
+    out = _run(paged_decode_tpu, case, AttentionOptions(**OPTIONS), SINKS, pages_per_block=ppb)
+    assert_close(out, reference(case, sink_logits=SINKS, **OPTIONS), "float32")

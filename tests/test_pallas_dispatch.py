@@ -151,3 +151,97 @@ def test_engine_refuses_a_kernel_impl_for_variants_without_kernels_up_front():
     config, params = tiny_model()
     with pytest.raises(ValueError, match="no Pallas kernel implements StreamingLLM ring attention"):
         Engine(Model(config, params, None), EngineConfig(max_slots=2, streaming=(2, 6), attention_impl="pallas"))
+
+
+def _engine(model, impl: str | None = None):
+    """An engine for two short prompts; `impl` None: EngineConfig's default attention_impl."""
+    from jaxinfer.engine import Engine, EngineConfig
+
+    extra = {} if impl is None else dict(attention_impl=impl)
+    return Engine(model, EngineConfig(max_slots=2, page_size=4, prefill_chunk=4, max_model_len=32, **extra))
+
+
+def _generate(engine) -> list[list[int]]:
+    """Greedy tokens of two prompts (10 and 3 tokens: chunked prefill, then decode)."""
+    from jaxinfer.sampling import SamplingParams
+
+    prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [26, 43, 38]]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def _engine_tokens(model, impl: str | None = None):
+    engine = _engine(model, impl)
+    return _generate(engine), engine
+
+
+def _tiny_engine_model():
+    from jaxinfer.loading import Model
+
+    config, params = tiny_model(n_heads=4, n_kv_heads=2, head_dim=16)
+    return Model(config=config, params=params, tokenizer=None)
+
+
+def test_auto_is_the_default_and_cpu_runs_the_reference(caplog):
+    from jaxinfer.engine import EngineConfig
+
+    assert EngineConfig().attention_impl == "auto"
+    model = _tiny_engine_model()
+    tokens, engine = _engine_tokens(model)
+    assert tokens == _engine_tokens(model, "reference")[0]
+    assert engine.fallbacks == {} and not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The dispatch believes it runs on a GPU; jit caches are cleared on the way in and out
+    (a program's key holds the impl, "auto", not the backend it resolved to)."""
+    jax.clear_caches()
+    monkeypatch.setattr(dispatch, "backend", lambda: "gpu")
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_kernels_that_fail_to_compile_fall_back_with_one_warning(fake_gpu, caplog):
+    """On a (faked) GPU "auto" compiles the Triton kernels, which cannot compile on this CPU
+    ("Only interpret mode is supported"): warm-up falls every program back to the reference
+    and serving compiles nothing more; the tokens are the reference's, and one warning names
+    the kernel."""
+    model = _tiny_engine_model()
+    want = _engine_tokens(model, "reference")[0]
+    engine = _engine(model)
+    engine.warmup()
+    assert set(engine.fallbacks) == set(engine.program_keys())
+    compiled = engine.metrics().compiled_programs
+    assert _generate(engine) == want
+    assert engine.metrics().compiled_programs == compiled
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("attention kernel paged_decode_gpu failed to compile on ")
+    assert "Only interpret mode is supported" in warnings[0]
+
+
+def test_only_programs_of_the_failing_kernel_fall_back(fake_gpu, monkeypatch, caplog):
+    """The decode kernel works (interpret mode stands in for the device), the chunked-prefill
+    kernel is made to fail: programs with a prefill group run the reference, decode-only
+    programs keep the kernel, the tokens match the reference, one warning names the kernel."""
+    model = _tiny_engine_model()
+    want = _engine_tokens(model, "reference")[0]
+    real_kernel = dispatch._kernel
+
+    def kernel(target, kind):
+        if kind == "prefill":
+            raise RuntimeError("planted: chunked_prefill_gpu does not compile here")
+        fn = real_kernel(target, kind)
+        return lambda *args, **kw: fn(*args, **{**kw, "interpret": True})
+
+    monkeypatch.setattr(dispatch, "_kernel", kernel)
+    tokens, engine = _engine_tokens(model)
+    assert tokens == want
+    with_prefill = {key for key in engine._ran if key[1]}
+    assert with_prefill and set(engine.fallbacks) == with_prefill
+    assert set(engine.fallbacks.values()) == {"chunked_prefill_gpu"}
+    assert all(engine.attention_impl(key) == "auto" for key in engine._ran - with_prefill)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "attention kernel chunked_prefill_gpu failed to compile" in warnings[0], warnings

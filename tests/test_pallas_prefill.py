@@ -52,3 +52,24 @@ def test_tpu_prefill_kivi_window_sinks_softcap():
     case = make_case("int4", "float32", [14, 16], t=4, poison_pages=[(0, 1), (1, 1)])
     out = _run(chunked_prefill_tpu, case, AttentionOptions(**OPTIONS), SINKS, block_q=2)
     assert_close(out, reference(case, sink_logits=SINKS, **OPTIONS), "float32")
+
+
+# Production-like sizes: head_dim 128, page 16; a chunk of 5 queries ending at lengths 5, 17, 40.
+PROD = dict(head_dim=128, page=16, max_pages=3)
+
+
+@pytest.mark.parametrize("kernel,fmt,dtype,heads", [
+    (chunked_prefill_gpu, "dense", "bfloat16", (32, 8)), (chunked_prefill_gpu, "int4", "float32", (8, 1)),
+    (chunked_prefill_gpu, "fp8_e5m2", "float32", (32, 8)), (chunked_prefill_tpu, "int8", "float32", (32, 8)),
+    (chunked_prefill_tpu, "int2", "float32", (8, 1)),
+], ids=lambda x: getattr(x, "__name__", str(x)))
+def test_prefill_production_shapes(kernel, fmt, dtype, heads):
+    case = make_case(fmt, dtype, [5, 17, 40], t=5, heads=heads, **PROD)
+    assert_close(_run(kernel, case), reference(case), dtype)
+
+
+@pytest.mark.parametrize("ppb", [1, 3])
+def test_tpu_prefill_blocks_of_pages(ppb):
+    """Blocks of `ppb` pages per grid step over chunks crossing pages (KIVI: the tail page too)."""
+    case = make_case("int4", "float32", LENGTHS, STARTS, t=3)
+    assert_close(_run(chunked_prefill_tpu, case, pages_per_block=ppb), reference(case), "float32")

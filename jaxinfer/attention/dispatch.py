@@ -15,7 +15,9 @@
                            TPU; on CPU the GPU-style kernels in interpret mode (slow: tests only)
     "pallas_gpu" / "pallas_tpu"   that target's kernels (interpret mode off their backend)
     "auto"                 kernels on GPU/TPU when they take this variant, cache and shapes, else
-                           the reference (always the reference on CPU)
+                           the reference (always the reference on CPU); the engine's default.
+                           A program whose kernel fails to compile on the device falls back to
+                           the reference (`jaxinfer.engine.Engine`, one warning per kernel)
 
 A kernel impl asked for a variant or cache it has no kernel for raises ValueError saying
 why; "auto" falls back to the reference. The kernels (`pallas_kernels`) know the cache
@@ -53,8 +55,6 @@ def paged_attention(
     impl: str = "auto",
 ) -> jax.Array:
     """Causal GQA attention through block tables -> [B, T, Hq, Dh] (dtype of q), by `impl`."""
-    if impl != "reference":  # the kernels read a layer's own leaves: a view into a run pays a copy
-        layer_kv = own_layer(layer_kv)
     target, interpret = resolve_impl(impl, q, layer_kv)
     if target is None:
         return paged_attention_reference(q, layer_kv, block_tables, kv_lengths, query_index, scale, window=window,
@@ -62,7 +62,7 @@ def paged_attention(
     from pallas_kernels.common import AttentionOptions
     from pallas_kernels.formats import from_layer_kv
 
-    pages = from_layer_kv(layer_kv)
+    pages = from_layer_kv(own_layer(layer_kv))  # the kernels read a layer's own leaves: a view pays a copy
     if pages.k_tail is not None and slots is None:
         raise ValueError(f"the {pages.format!r} cache keeps its current page per slot: pass slots=")
     opts = AttentionOptions(window=window, num_sinks=num_sinks, soft_cap=soft_cap)
@@ -129,14 +129,30 @@ def require_reference(impl: str, variant: str) -> None:
                          "use attention_impl='reference' or 'auto'")
 
 
+def backend() -> str:
+    """The platform programs compile for ("cpu" | "gpu" | "tpu"): jax's default backend."""
+    return jax.default_backend()
+
+
+def kernels_by_default(impl: str) -> bool:
+    """Does `impl` run the kernels on this backend where they apply ("auto" on GPU/TPU)?"""
+    return impl == "auto" and backend() in ("gpu", "tpu")
+
+
+def kernel_names(target: str | None = None) -> tuple[str, str]:
+    """The `pallas_call` names of a target's kernels (default: this backend's): decode, chunked prefill."""
+    target = target or ("tpu" if backend() == "tpu" else "gpu")
+    return f"paged_decode_{target}", f"chunked_prefill_{target}"
+
+
 def resolve_impl(impl: str, q: jax.Array, layer_kv: LayerCache) -> tuple[str | None, bool]:
     """-> (kernel target "gpu" | "tpu", or None for the reference; interpret mode?)."""
     check_impl(impl)
-    backend = jax.default_backend()
-    if impl == "reference" or (impl == "auto" and backend not in ("gpu", "tpu")):
+    platform = backend()
+    if impl == "reference" or (impl == "auto" and platform not in ("gpu", "tpu")):
         return None, False
-    target = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(impl, "tpu" if backend == "tpu" else "gpu")
-    interpret = backend != target
+    target = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(impl, "tpu" if platform == "tpu" else "gpu")
+    interpret = platform != target
     reason = unsupported_reason(q, layer_kv, target, interpret)
     if reason is None:
         return target, interpret
@@ -150,7 +166,8 @@ def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpre
     from pallas_kernels.formats import from_layer_kv
 
     try:
-        pages = from_layer_kv(layer_kv)
+        pages = from_layer_kv(layer_kv)  # raises for caches no kernel reads
+        pages = from_layer_kv(own_layer(layer_kv)) if layer_kv.layer is not None else pages  # a view's own layer
         pages.validate()
     except ValueError as err:
         return str(err)

@@ -31,10 +31,11 @@ class EngineConfig:
     # A jax.sharding.Mesh with axes ("data", "model") (`jaxinfer.sharding.make_mesh`): params
     # and pages split over heads on `model`, slots over `data`. None = one device.
     mesh: object | None = None
-    # Paged attention: "reference" (pure jnp), "pallas" (the kernels; interpret mode on CPU),
-    # "pallas_gpu" / "pallas_tpu" (one target's kernels) or "auto" (kernels on GPU/TPU where
-    # they apply). See `jaxinfer.attention.dispatch`.
-    attention_impl: str = "reference"
+    # Paged attention: "auto" (the kernels on GPU/TPU where they apply, the reference on CPU;
+    # a program whose kernel fails to compile on the device warns once and runs the reference),
+    # "reference" (pure jnp), "pallas" (the kernels; interpret mode on CPU) or "pallas_gpu" /
+    # "pallas_tpu" (one target's kernels). See `jaxinfer.attention.dispatch`.
+    attention_impl: str = "auto"
     # KV-cache storage: "auto" (model dtype), a format name for every layer ("int8",
     # "fp8_e4m3", "int4", ...), a `jaxinfer.kv.plan.KVCachePlan` or a plan JSON path
     # (`jaxinfer calibrate-kv`). Invalid names or plans raise ValueError.

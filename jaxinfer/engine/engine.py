@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import traceback
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sharding
-from jaxinfer.attention.dispatch import require_reference
+from jaxinfer.attention.dispatch import kernel_names, kernels_by_default, require_reference
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig, EngineMetrics
 from jaxinfer.engine.multihost import StepChannel, spans_processes
@@ -99,6 +100,10 @@ class Engine:
         self._compiles = CompileCounter()  # `compiled_programs`: this engine's programs only
         self._compiler: BackgroundCompiler | None = None  # `start_warmup`
         self._ran: set[ProgramKey] = set()  # programs this engine has run
+        # programs whose attention kernel failed to compile on this device: they run the reference
+        self._fallbacks: dict[ProgramKey, str] = {}  # key -> the kernel that failed
+        self._warned: set[str] = set()  # kernels a fallback warning named already
+        self._compiled: set[ProgramKey] = set()  # programs `_compile` compiled (kernels or their fallback)
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         if config.mesh is not None:
             self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
@@ -366,7 +371,9 @@ class Engine:
         key = program_key(batch, drafts)
         if self._compiler is not None and key not in self._ran:
             self._compiler.claim(key)  # compiled in the background already, or now, never twice
-        fn, args = self._program(batch, drafts, self.kv, self.draft_kv)
+        elif key not in self._ran and key not in self._compiled and kernels_by_default(self.config.attention_impl):
+            self._compile(key)  # a kernel that fails to compile falls back here, not mid-step
+        fn, args = self._program(batch, drafts, self.kv, self.draft_kv, self.attention_impl(key))
         if drafts is None:
             self.kv, out = self._compiles.call(fn, *args)
             device_tokens, logits = out.decode_tokens, out.decode_logits  # i32[B], f32[B, V]
@@ -416,20 +423,32 @@ class Engine:
         if self._channel is not None and self._channel.is_leader:
             self._channel.publish(("stop",))
 
-    def _program(self, batch: StepBatch, drafts: DraftBatch | None, kv, draft_kv) -> tuple[jax.stages.Wrapped, tuple]:
-        """The jitted step for `batch` and its positional arguments (jit refuses keywords next
-        to in_shardings: `sharding.shard_engine`)."""
+    def attention_impl(self, key: ProgramKey) -> str:
+        """The attention impl program `key` compiles with: the config's, or "reference" where
+        its kernel failed to compile on this device (`fallbacks`)."""
+        return "reference" if key in self._fallbacks else self.config.attention_impl
+
+    @property
+    def fallbacks(self) -> dict[ProgramKey, str]:
+        """Programs running the reference because a kernel failed to compile: key -> kernel name."""
+        return dict(self._fallbacks)
+
+    def _program(self, batch: StepBatch, drafts: DraftBatch | None, kv, draft_kv,
+                 impl: str | None = None) -> tuple[jax.stages.Wrapped, tuple]:
+        """The jitted step for `batch` with attention `impl` (default: the config's) and its
+        positional arguments (jit refuses keywords next to in_shardings: `sharding.shard_engine`)."""
         m, c = self.model, self.config
+        impl = c.attention_impl if impl is None else impl
         if drafts is None:
-            return self._step, (m.params, m.config, kv, self._place(batch), c.attention_impl, c.mesh)
+            return self._step, (m.params, m.config, kv, self._place(batch), impl, c.mesh)
         d = self.draft
         if isinstance(drafts, EagleBatch):
             return eagle_step, (m.params, m.config, kv, self._place(batch), drafts, d.params, d.lm_head,
-                                self._draft_vocab, draft_kv, d.config, c.attention_impl)
+                                self._draft_vocab, draft_kv, d.config, impl)
         return self._spec_step, (
             m.params, m.config, kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
             self._draft_vocab, draft_kv, None if d is None else d.config, 0 if d is None else d.shares_target_layers,
-            c.attention_impl, c.mesh)
+            impl, c.mesh)
 
     def _draft_batch(self, plan: SchedulePlan) -> DraftBatch | EagleBatch:
         """How many drafts each decoding slot verifies; n-gram drafts are proposed here."""
@@ -544,7 +563,7 @@ class Engine:
         """Compile the program `key` without running it: jit's own caches keep the executable
         for the first real call. The caches are abstract (`ShapeDtypeStruct`s with their
         placements), so this may run while `step` donates the real ones."""
-        if key in self._ran:
+        if key in self._ran or key in self._compiled:
             return
         width, with_prefill, draft_width = key
         b = self.spec.max_slots
@@ -555,10 +574,32 @@ class Engine:
             drafts = EagleBatch(num_draft=np.zeros(b, np.int32), head_tokens=np.zeros((b, draft_width + 1), np.int32),
                                 carried=np.zeros(b, np.int32), prefill_carried=np.zeros(rows, bool) if with_prefill else None)
         abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-        fn, args = self._program(self._idle_batch(width, with_prefill), drafts, abstract(self.kv),
-                                 None if self.draft_kv is None else abstract(self.draft_kv))
+        batch, kv = self._idle_batch(width, with_prefill), abstract(self.kv)
+        draft_kv = None if self.draft_kv is None else abstract(self.draft_kv)
         with self._compiles.attribute():
-            fn.lower(*args).compile()
+            try:
+                fn, args = self._program(batch, drafts, kv, draft_kv, self.attention_impl(key))
+                fn.lower(*args).compile()
+            except Exception as err:  # noqa: BLE001 - only kernel programs fall back; others re-raise
+                if key in self._fallbacks or not kernels_by_default(self.config.attention_impl):
+                    raise
+                self._fall_back(key, err)
+                fn, args = self._program(batch, drafts, kv, draft_kv, "reference")
+                fn.lower(*args).compile()
+        self._compiled.add(key)
+
+    def _fall_back(self, key: ProgramKey, err: Exception) -> None:
+        """Program `key`'s kernels failed to compile: run it with the reference from now on,
+        warning once per kernel (the one the error names, else every kernel of this backend)."""
+        text = "".join(traceback.format_exception(err))
+        named = [k for k in kernel_names() if k in text] or list(kernel_names())
+        kernel = " / ".join(named)
+        self._fallbacks[key] = kernel
+        if kernel not in self._warned:
+            self._warned.add(kernel)
+            logger.warning("attention kernel %s failed to compile on %s (%s: %s); programs using it run the "
+                           "jnp reference instead (attention_impl='reference' silences this)", kernel,
+                           jax.devices()[0].device_kind, type(err).__name__, (str(err).splitlines() or [""])[0])
 
     def _idle_prefill(self) -> PrefillBatch:
         """Prefill rows with no tokens; each idle row points at the first slot of the data

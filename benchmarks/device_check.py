@@ -1,0 +1,130 @@
+"""One command for a GPU or TPU: every kernel compiled on the device against the reference, then the benchmark.
+
+    python benchmarks/device_check.py [--skip-bench] [--interpret-smoke]
+
+1. Correctness: decode and chunked prefill x every cache format (bf16, int8, fp8_e4m3,
+   fp8_e5m2, int4, int2) x (plain; window 40 + 4 sinks + sink logits + soft-cap 30) x
+   (32 query / 8 KV heads; MQA 8 / 1), head_dim 128, page 16, bf16 queries, compiled for this
+   device (the GPU kernels: Pallas Triton; the TPU kernels: Mosaic) against jaxinfer's jnp
+   reference. Edge lengths 0, 1, a page, a page + 1, 129 and 256 tokens (prefill: chunks of 5
+   ending at 5 .. 256); NaN in every page no sequence owns, in positions past each length, in
+   pages wholly behind the window (options rows) and in other slots' KIVI tails
+   (tests/pallas_cases.py builds the inputs). A row passes when the output is finite and
+   within atol = rtol = 2**-5 of the reference (bf16 outputs; summation order differs).
+2. `benchmarks/kernels_gpu.py --skip-checks` (decode bandwidth per format against device copy
+   and XLA; on a TPU the same measurement with the TPU kernel).
+
+Prints markdown rows to paste into BENCHMARKS.md and, last, one JSON object
+{"device", "checks", "failures", "seconds"}. Exit status 1 if any check failed. Without a GPU
+or TPU it prints what it would run and exits 0; `--interpret-smoke` runs a few checks in
+interpret mode on any machine (to test this script, not the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # pallas_cases: the poisoned inputs the tests use
+
+FORMATS = ("dense", "int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
+HEADS = ((32, 8), (8, 1))
+HEAD_DIM, PAGE, MAX_PAGES = 128, 16, 16
+DECODE_LENGTHS = [0, 1, PAGE, PAGE + 1, 129, 256]
+PREFILL_LENGTHS, CHUNK = [5, PAGE, PAGE + 1, 130, 256], 5
+OPTIONS = dict(window=40, num_sinks=4, soft_cap=30.0)
+TOLERANCE = 2.0**-5
+
+
+def plan(smoke: bool) -> list[tuple[str, str, tuple[int, int], bool]]:
+    """(kernel, format, heads, with options) rows the check runs."""
+    if smoke:
+        return [("decode", "int4", (8, 1), True), ("prefill", "fp8_e4m3", (8, 1), True)]
+    return [(k, f, h, o) for k in ("decode", "prefill") for f in FORMATS for h in HEADS for o in (False, True)]
+
+
+def behind_window(lengths, t: int) -> list[tuple[int, int]]:
+    """(sequence, logical page) pairs wholly between the sinks' page and the window of every
+    query of the sequence (queries at lengths - t .. lengths - 1): poisoned in options rows."""
+    out = []
+    for b, n in enumerate(lengths):
+        first_visible = n - t - OPTIONS["window"] + 1  # the earliest query's window start
+        out += [(b, p) for p in range(1, MAX_PAGES) if (p + 1) * PAGE <= first_visible]
+    return out
+
+
+def check(kernel: str, fmt: str, heads, with_options: bool, target: str, interpret: bool) -> dict:
+    """One row: the kernel on the device vs the reference -> dict(max_abs_err, ok)."""
+    from pallas_cases import make_case, reference
+    from pallas_kernels.common import AttentionOptions
+    from pallas_kernels.formats import from_layer_kv
+    from pallas_kernels.lowering import kernel_function
+
+    t = 1 if kernel == "decode" else CHUNK
+    lengths = DECODE_LENGTHS if kernel == "decode" else PREFILL_LENGTHS
+    poison = behind_window(lengths, t) if with_options else []
+    case = make_case(fmt, "bfloat16", lengths, t=t, heads=heads, head_dim=HEAD_DIM, page=PAGE, max_pages=MAX_PAGES,
+                     poison_pages=poison, seed=len(fmt))
+    sinks = jnp.linspace(-1.0, 1.0, heads[0]) if with_options else None
+    options = OPTIONS if with_options else {}
+    fn = kernel_function(kernel, "tpu" if target == "tpu" else "cuda")
+    q, query_pos = (case.q[:, 0], case.query_index[:, 0]) if kernel == "decode" else (case.q, case.query_index)
+    out = fn(q, from_layer_kv(case.layer), case.block_tables, case.lengths, query_pos, sinks, case.slots,
+             scale=case.scale, opts=AttentionOptions(**options), interpret=interpret)
+    out = np.asarray(out.astype(jnp.float32)).reshape(case.q.shape)
+    ref = np.asarray(reference(case, sink_logits=sinks, **options).astype(jnp.float32))
+    err = float(np.max(np.abs(out - ref))) if np.isfinite(out).all() else float("nan")
+    ok = bool(np.isfinite(out).all() and np.all(np.abs(out - ref) <= TOLERANCE + TOLERANCE * np.abs(ref)))
+    return dict(max_abs_err=err, ok=ok)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--skip-bench", action="store_true", help="correctness checks only")
+    p.add_argument("--interpret-smoke", action="store_true",
+                   help="a few checks in interpret mode on any machine (tests this script, not a device)")
+    args = p.parse_args(argv)
+    backend = jax.default_backend()
+    rows = plan(args.interpret_smoke)
+    if backend not in ("gpu", "tpu") and not args.interpret_smoke:
+        print(f"no GPU or TPU found (JAX backend: {backend}): nothing run. On a device this runs:")
+        print(f"  {len(rows)} correctness checks, compiled kernels vs the jnp reference: decode and chunked prefill x "
+              f"{', '.join(FORMATS)} x (plain; window + sinks + sink logits + soft-cap) x heads "
+              f"{' and '.join(f'{a}/{b}' for a, b in HEADS)}, head_dim {HEAD_DIM}, page {PAGE}, lengths "
+              f"{DECODE_LENGTHS}, NaN-poisoned foreign pages")
+        print("  then benchmarks/kernels_gpu.py --skip-checks (decode bandwidth per format vs copy and XLA)")
+        print(json.dumps(dict(device=None, checks=0, failures=0, seconds=0.0)))
+        return 0
+    target = "tpu" if backend == "tpu" else "gpu"
+    device = jax.devices()[0].device_kind
+    print(f"device: {device}, jax {jax.__version__}, kernels: {target}")
+    start, failures = time.perf_counter(), 0
+    print("| device | kernel | format | heads | options | max abs err | ok |\n|---|---|---|---|---|---|---|")
+    for kernel, fmt, heads, with_options in rows:
+        try:
+            result = check(kernel, fmt, heads, with_options, target, interpret=args.interpret_smoke)
+        except Exception as err:  # noqa: BLE001 - a kernel that does not compile is a failed row
+            result = dict(max_abs_err=float("nan"), ok=False, error=f"{type(err).__name__}: {str(err)[:200]}")
+        failures += not result["ok"]
+        print(f"| {device} | {kernel} | {fmt} | {heads[0]}/{heads[1]} | {'on' if with_options else 'off'} | "
+              f"{result['max_abs_err']:.3g} | {'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} |",
+              flush=True)
+    if not args.skip_bench and not args.interpret_smoke:
+        import kernels_gpu
+
+        kernels_gpu.main(["--skip-checks"])
+    seconds = time.perf_counter() - start
+    print(json.dumps(dict(device=device, checks=len(rows), failures=failures, seconds=round(seconds, 1))))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Bytes a decode kernel moves per decoded token, against the bytes the cache must supply.
+
+TPU (`paged_decode_tpu`): counted from the kernel's own page walk. Every page slot's index map
+is `tpu_tiles.Walk.physical_page`; evaluated here over the whole grid (b-major, as the Pallas
+pipeline runs it), a slot fetches its block whenever the block index differs from the slot's
+previous step (Pallas skips the copy of an unchanged block), plus each sequence's KIVI tail,
+query and output blocks.
+
+GPU (`paged_decode_gpu`): the Triton kernel reads K/V with masked loads (a masked element is
+not read), so it moves the visible tokens of each head, their scales, a KIVI page's key
+scales once per page read, the tail's tokens, the query rows, the block-table entries, and
+writes and re-reads the split-K partials (f32 [rows, D] per program: the query heads of up to
+16 / G_pad KV heads packed into 16 rows). A model of those loads (DRAM sector granularity
+ignored), not a measurement.
+
+The cache must supply, per sequence: its visible tokens (all of them, or the window and the
+sinks) at `jaxinfer.kv.formats` bytes_per_token, KIVI's current-page tokens from the bf16 tail.
+
+    python -m pallas_kernels.traffic       # the table in BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import tpu_tiles
+from pallas_kernels.common import AttentionOptions, cdiv, decode_steps, page_schedule
+from pallas_kernels.lowering import OPTIONS, Shape, abstract_pages
+
+FORMAT_NAMES = {"dense": "bf16"}  # KernelPages' "dense" at bf16 is jaxinfer.kv's "bf16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    moved: float  # bytes the kernel reads and writes for the whole batch
+    cache: float  # bytes the cache must supply for the whole batch
+    tokens: int  # decoded tokens (the batch)
+    grid_steps: int  # TPU: grid steps; GPU: programs
+    dmas: int  # TPU: page-block copies issued; GPU: 0
+
+    @property
+    def ratio(self) -> float:
+        return self.moved / self.cache
+
+
+def visible_tokens(length: int, opts: AttentionOptions) -> int:
+    """Keys a decode query at position length - 1 sees."""
+    if opts.window is None:
+        return length
+    return min(length, opts.window) + min(opts.num_sinks, max(length - opts.window, 0))
+
+
+def cache_bytes(fmt: str, shape: Shape, lengths, opts: AttentionOptions) -> float:
+    from jaxinfer.kv import formats as F
+
+    f = F.get_format(FORMAT_NAMES.get(fmt, fmt))
+    per_token = f.bytes_per_token(shape.kv_heads, shape.head_dim, shape.page_size)
+    total = 0.0
+    for n in lengths:
+        seen = visible_tokens(int(n), opts)
+        tail = int(n) % shape.page_size if f.has_tail else 0
+        total += (seen - tail) * per_token + tail * 2 * shape.kv_heads * shape.head_dim * 2  # tail: bf16 K and V
+    return total
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+
+
+def tpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = AttentionOptions(),
+               pages_per_block: int | None = None) -> Traffic:
+    """Traffic of `paged_decode_tpu` for sequences of `lengths` tokens (block tables: distinct pages)."""
+    pages = abstract_pages(fmt, shape)
+    cfg = tpu_tiles.TpuConfig.of(pages, max_pages=shape.max_pages, opts=opts, scale=1.0,
+                                 pages_per_block=pages_per_block, steps=decode_steps(shape.max_pages, shape.page_size, opts))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    tables = jnp.arange(1, 1 + shape.batch * shape.max_pages, dtype=jnp.int32)  # flattened [B, max_pages]
+
+    def page(b, i, slot):
+        walk = tpu_tiles.Walk(lengths[b], lengths[b] - 1, lengths[b] - 1, cfg)
+        return walk.physical_page(tables, b, i, slot, cfg)
+
+    grid_b, grid_i = jnp.meshgrid(jnp.arange(shape.batch), jnp.arange(cfg.num_blocks), indexing="ij")
+    ids = np.stack([np.asarray(jax.vmap(jax.vmap(lambda b, i: page(b, i, j)))(grid_b, grid_i)).reshape(-1)
+                    for j in range(cfg.pages_per_block)])  # [ppb, B * num_blocks] in grid order
+    copies = int(np.sum(ids[:, 1:] != ids[:, :-1]) + ids.shape[0])
+    page_bytes = sum(_nbytes(a.shape[1:], a.dtype) for a in (*pages.k_parts(), *pages.v_parts()))
+    per_sequence = 2 * _nbytes((shape.q_heads, shape.head_dim), jnp.bfloat16)  # q in, output out
+    if pages.k_tail is not None:
+        per_sequence += 2 * _nbytes(pages.k_tail.shape[1:], pages.k_tail.dtype)
+    moved = copies * page_bytes + shape.batch * per_sequence
+    return Traffic(moved, cache_bytes(fmt, shape, np.asarray(lengths), opts), shape.batch,
+                   shape.batch * cfg.num_blocks, copies)
+
+
+def gpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = AttentionOptions()) -> Traffic:
+    """Traffic of `paged_decode_gpu` (its default pages_per_block and k_splits) as a model of its loads."""
+    from pallas_kernels.gpu_tiles import default_pages_per_block
+    from pallas_kernels.paged_decode_gpu import default_k_splits, packed_heads
+
+    pages = abstract_pages(fmt, shape)
+    h, d, s = shape.kv_heads, shape.head_dim, shape.page_size
+    heads, rows = packed_heads(shape.q_heads // h, h)
+    blocks = h // heads  # programs per sequence and split, each [rows, D]
+    steps = decode_steps(shape.max_pages, s, opts)
+    ppb = default_pages_per_block(s, steps)
+    splits = default_k_splits(shape.batch * blocks, cdiv(steps, ppb))
+    token_head = sum(_nbytes(a.shape[3:], a.dtype) for a in (pages.k, pages.v))  # one token, one head
+    token_head += sum(_nbytes((), a.dtype) for a in (pages.v_scale, pages.v_zero) if a is not None)
+    if not pages.is_kivi and pages.k_scale is not None:
+        token_head += _nbytes((), pages.k_scale.dtype)
+    moved = 0.0
+    for n in np.asarray(lengths):
+        seen = visible_tokens(int(n), opts)
+        tail = int(n) % s if pages.is_kivi else 0
+        pages_read = int(page_schedule(int(n), int(n) - 1, int(n) - 1, s, opts).count) - (1 if tail else 0)
+        moved += h * (seen - tail) * token_head + h * tail * 2 * d * 2
+        if pages.is_kivi:
+            moved += h * pages_read * 2 * _nbytes((d,), pages.k_scale.dtype)  # key scale + zero per page
+        moved += h * pages_read * 4  # block-table entries
+        moved += blocks * (_nbytes((rows, d), jnp.bfloat16) + splits * 2 * (rows * d + 2 * rows) * 4)  # q, partials
+        moved += _nbytes((shape.q_heads, d), jnp.bfloat16)  # output
+    return Traffic(moved, cache_bytes(fmt, shape, np.asarray(lengths), opts), shape.batch,
+                   shape.batch * blocks * splits, 0)
+
+
+def main() -> None:
+    shape = Shape(batch=16, q_heads=32, kv_heads=8, head_dim=128, page_size=16, context=8192)
+    rng = np.random.default_rng(0)
+    mixed = rng.integers(1, shape.context + 1, size=shape.batch)  # ragged batch, lengths 1..8k
+    print("| kernel | format | lengths | options | pages/step | grid steps | page DMAs | moved / cache bytes |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fmt in ("dense", "int8", "int4"):
+        for label, lengths in (("all 8k", np.full(shape.batch, shape.context)), ("ragged 1-8k", mixed)):
+            for opts in (AttentionOptions(), OPTIONS):
+                o = "window 1024 + sinks" if opts.window else "none"
+                for ppb in (1, None):
+                    t = tpu_decode(fmt, shape, lengths, opts, ppb)
+                    print(f"| paged_decode_tpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | {ppb or 'default'} | "
+                          f"{t.grid_steps} | {t.dmas} | {t.ratio:.3f} |")
+                g = gpu_decode(fmt, shape, lengths, opts)
+                print(f"| paged_decode_gpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | - | {g.grid_steps} | - | "
+                      f"{g.ratio:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
