@@ -28,6 +28,7 @@ from jaxinfer.kv.layer_cache import LayerCache, stored_kv_heads
 from jaxinfer.kv.pages import WriteIndices
 from jaxinfer.kv.paged_state import PagedKVState, write_indices
 from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.kv.window_ring import ring_indices
 from jaxinfer.layer_stack import LayerStack, run_lengths
 from jaxinfer.model.layers import geglu_mlp, linear, rms_norm, swiglu_mlp
 from jaxinfer.model.mla import mla_attention
@@ -176,6 +177,8 @@ def forward_hidden(
     reads, `jaxinfer.speculative.eagle`). XLA drops them where the caller does not use them.
     `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
+    # windowed layers of a hybrid model: their own pool, a ring of pages per slot (`jaxinfer.kv.window_ring`)
+    ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size) for i in idxs]
     inv_freq = {w: layer_inv_freq(config, w) for w in {None, *config.layer_windows}}  # f32[Dh/2] per window
     if inputs is None:
         inputs = _flat([params.embed[g.tokens] for g in groups])
@@ -188,8 +191,9 @@ def forward_hidden(
         return h if weight is None else rms_norm(h, weight, config.rms_eps)
 
     def decoder_layer(x, layer, layer_kv, window):  # [N, D] -> [N, D], the layer's new cache
+        layer_idxs = idxs if window is None or ring_idxs is None else ring_idxs
         h, layer_kv = attention_block(config, layer, layer_kv, rms_norm(x, layer.attn_norm, config.rms_eps), groups,
-                                      idxs, inv_freq[window], window=window, streaming=kv.streaming,
+                                      layer_idxs, inv_freq[window], window=window, streaming=kv.streaming,
                                       max_slots=kv.max_slots, attention_impl=attention_impl, mesh=mesh)
         x = x + post_norm(h, getattr(layer, "post_attn_norm", None))
         h = mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
