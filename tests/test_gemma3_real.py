@@ -10,6 +10,8 @@ norms. (transformers can load the GGUF itself, but parses the 262k-token vocabul
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import jax.numpy as jnp
 import numpy as np
@@ -126,3 +128,35 @@ def test_tokenizer_ids_match_transformers(ours, gemma3_gguf):
     assert chat == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
                     "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
     assert ours.tokenizer.encode(chat, add_special_tokens=False)[:4] == [2, 105, 2364, 107]
+
+
+def test_engine_with_ngram_speculation_and_the_server(ours, hf):
+    """The engine (n-gram drafts verified 4 at a time) continues like transformers' greedy, and the
+    OpenAI server returns the engine's text for a completion and a chat turn."""
+    import httpx
+
+    from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
+    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.server import build_server
+    from test_server import ServerThread
+
+    prompt = "one two three four one two three four one two three"
+    ids = ours.tokenizer.encode(prompt)
+    config = EngineConfig(max_slots=2, page_size=16, prefill_chunk=32, max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = Engine(ours, dataclasses.replace(config, speculative=SpeculativeConfig(method="ngram", num_speculative=4)))
+    out = spec.generate([ids], greedy)[0]
+    assert out.token_ids == hf_greedy(hf, ids, 12) and spec.spec_stats.accepted.sum() > 0
+    srv = ServerThread(build_server(ours, config, "gemma3", max_queue=4, warmup=False))
+    try:
+        body = {"model": "gemma3", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=300).json()
+        assert r["choices"][0]["text"] == out.text
+        chat = {"model": "gemma3", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, timeout=300).json()
+        chat_ids = ours.tokenizer.encode(ours.tokenizer.apply_chat_template(chat["messages"]), add_special_tokens=False)
+        want = Engine(ours, config).generate([chat_ids], SamplingParams(temperature=0, max_tokens=8))[0]
+        assert r["choices"][0]["message"]["content"] == want.text
+        assert r["choices"][0]["finish_reason"] == want.finish_reason
+    finally:
+        srv.stop()
