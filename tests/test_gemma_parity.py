@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from jaxinfer.checkpoint import CheckpointError
-from jaxinfer.loading import load_model
+from jaxinfer.loading import Model, load_model
 from test_model_parity import all_position_logits, hf_greedy
 from test_variant_parity import greedy_one_by_one
 
@@ -94,3 +95,28 @@ def test_gemma_bad_config_names_the_field(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="query_pre_attn_scalar"):
         load_model(tmp_path)
+
+
+def test_learned_sinks_and_soft_caps_reach_the_attention():
+    """`attn_sinks` feeds `LayerParams.sinks` to the softmax: sinks at -1e9 change nothing, sinks at 0
+    take weight from every key (so the output shrinks); `attn_softcap` and `final_softcap` bound
+    what they cap. Checked against the plain model on a tiny random config."""
+    from jaxinfer.model import init_random_params
+    from tiny_models import random_tokens, tiny_config
+
+    base = tiny_config()
+    sinky = base.replace(attn_sinks=True)
+    params = init_random_params(sinky, seed=0, scale=0.3)
+    plain = dataclasses.replace(params, layers=tuple(dataclasses.replace(l, sinks=None) for l in params.layers))
+    tokens = random_tokens((2, 12), base.vocab_size)
+    want = all_position_logits(Model(base, plain, None), tokens)
+
+    def logits(config, sinks):
+        p = dataclasses.replace(params, layers=tuple(dataclasses.replace(l, sinks=jnp.full_like(l.sinks, sinks))
+                                                     for l in params.layers))
+        return all_position_logits(Model(config, p, None), tokens)
+
+    np.testing.assert_allclose(logits(sinky, -1e9), want, atol=1e-5, rtol=0)
+    assert np.abs(logits(sinky, 0.0) - want).max() > 1e-2
+    np.testing.assert_allclose(logits(sinky.replace(final_softcap=0.5), -1e9), 0.5 * np.tanh(want / 0.5), atol=1e-5, rtol=0)
+    assert np.abs(logits(sinky.replace(attn_softcap=0.1), -1e9) - want).max() > 1e-3
