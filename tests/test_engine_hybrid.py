@@ -12,6 +12,7 @@ import pytest
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.loading import Model
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.server.metrics import ServerMetrics
 from test_engine import prompts
 from test_window_ring import GEMMA_TINY
 from tiny_models import tiny_model
@@ -50,6 +51,10 @@ def test_windowed_layers_hold_a_ring_and_outputs_equal_the_unbounded_cache(model
         assert out.token_ids == unbounded(model, p, s)
     m = eng.metrics()
     assert (m.window_pages_total, m.window_pages_used, m.prefix_queries) == (20, 0, 0)  # no prefix cache with rings
+    eng.add_request(ps[0], greedy(5))
+    eng.step()
+    text = ServerMetrics().render(eng.metrics(), 0)  # the server's /metrics
+    assert "jaxinfer_kv_window_pages_used 5\n" in text and "jaxinfer_kv_window_pages_total 20\n" in text
 
 
 def test_preemption_and_scanned_layers_with_rings(model):
