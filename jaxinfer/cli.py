@@ -10,13 +10,15 @@ import time
 DESCRIPTION = """jaxinfer: functional LLM inference in JAX over a paged KV cache.
 
 With no --model, the default model (SmolLM2-135M-Instruct, GGUF) is fetched from
-PyPI on first use and cached in $JAXINFER_CACHE (default ~/.cache/jaxinfer)."""
+PyPI on first use and cached in $JAXINFER_CACHE (default ~/.cache/jaxinfer); so is
+--model gemma3-270m (Gemma 3 270M, GGUF Q4_K_M)."""
 
 EXAMPLES = """examples:
   jaxinfer generate "Write a haiku about JAX."
   jaxinfer generate --stats "Name a colour." "Name a fruit." --prompts-file more_prompts.txt
   jaxinfer generate --raw --temperature 0.8 --seed 1 "Once upon a time"
   jaxinfer generate --model ./my-llama-dir "Hello"
+  jaxinfer generate --model gemma3-270m "Why is the sky blue?"
   jaxinfer generate --mesh data=2,model=4 "Hello"   # 8 devices: 2-way data x 4-way tensor parallel
   jaxinfer generate --speculative ngram --num-speculative 4 "Repeat: a b c d"   # also self:8, draft, eagle
   jaxinfer convert model.gguf ./model-orbax     # orbax reloads faster than GGUF
@@ -33,7 +35,8 @@ def _add_attention_flag(p: argparse.ArgumentParser) -> None:
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a .gguf file, an HF directory (config.json + *.safetensors) "
-                   "or an orbax directory from `jaxinfer convert`; default: SmolLM2-135M-Instruct")
+                   "or an orbax directory from `jaxinfer convert`, or a packaged model name (gemma3-270m); "
+                   "default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight and activation dtype (float32 is fastest on CPU; bfloat16 on GPU/TPU)")
 

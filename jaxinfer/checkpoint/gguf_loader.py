@@ -34,7 +34,17 @@ from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.params import ModelParams, build_params
 
 # general.architecture -> whether q/k rows are in llama.cpp's permuted order.
-_QK_PERMUTED = {"llama": True, "qwen2": False}
+_QK_PERMUTED = {"llama": True, "qwen2": False, "gemma2": False, "gemma3": False}
+# Gemma 2/3: every `pattern`-th layer is global, the rest windowed (llama.cpp `set_swa_pattern`;
+# a `{arch}.attention.sliding_window_pattern` key overrides); windowed Gemma 3 layers rotate with
+# base 10000 (llama.cpp `rope_freq_base_train_swa`, key `{arch}.rope.freq_base_swa`).
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# llama.cpp scales queries by 1/sqrt(d_model / n_heads) instead of 1/sqrt(head_dim) for the
+# 27B models only, which it recognises by their depth (`LLM_TYPE_27B`).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Gemma stops a chat turn at this token; its GGUF files carry no eot id (llama.cpp finds it by text).
+_GEMMA_END_OF_TURN = "<end_of_turn>"
 
 _GLOBAL_TENSORS = {
     "embed": "token_embd.weight",
@@ -54,6 +64,10 @@ _LAYER_TENSORS = {  # LayerParams field -> name inside `blk.{i}.`
     "bq": "attn_q.bias",
     "bk": "attn_k.bias",
     "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "post_attn_norm": "post_attention_norm.weight",
+    "post_mlp_norm": "post_ffw_norm.weight",
 }
 # Bump when the tensors `load_gguf` produces change (names, layout, dequantization): weight
 # caches written by another version are then rebuilt.
@@ -75,7 +89,8 @@ def load_gguf(
     """Read config and weights from a GGUF file (a path, or one already read with
     `open_gguf_checked`); weights come back in HF layout, in `dtype`.
 
-    Supports `general.architecture` `llama` (also Mistral files) and `qwen2`. Raises
+    Supports `general.architecture` `llama` (also Mistral files), `qwen2`, `gemma2` and
+    `gemma3` (text; llama.cpp's converter already stored Gemma's norm weights as `1 + w`). Raises
     `CheckpointError` naming the file and the field or tensor for anything it cannot load.
     `weight_cache=True`: read the dequantized weights from the weight cache, or write them
     there (quantized files only; `$JAXINFER_NO_WEIGHT_CACHE` overrides). `progress`: a bar on
@@ -155,12 +170,14 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path:
             "is not supported"
         )
     rope_theta = _f32(field("rope.freq_base", 10000.0))
+    n_layers = int(field("block_count"))
+    gemma = _gemma_fields(meta, arch, n_layers, d_model // n_heads, head_dim, path) if arch in _GEMMA_SWA_PATTERN else {}
     with as_checkpoint_error(path):
         return ModelConfig(
             arch=arch,
             vocab_size=_vocab_size(meta, tensors, arch, path),
             d_model=d_model,
-            n_layers=int(field("block_count")),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(field("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
@@ -172,8 +189,35 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path:
             tie_embeddings="output.weight" not in tensors,
             attn_bias="blk.0.attn_q.bias" in tensors,
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_ids=tuple(dict.fromkeys(meta[k] for k in _EOS_KEYS if meta.get(k) is not None)),
+            eos_ids=tuple(dict.fromkeys(meta[k] for k in _EOS_KEYS if meta.get(k) is not None)) + gemma.pop("eot", ()),
+            **gemma,
         )
+
+
+def _gemma_fields(meta, arch: str, n_layers: int, d_per_head: int, head_dim: int, path: Path) -> dict[str, Any]:
+    """Gemma 2/3 `ModelConfig` fields llama.cpp derives from the architecture rather than reading
+    (see the module constants), plus `eot`: the end-of-turn id to stop at."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is None:
+        raise CheckpointError(f"{path}: missing metadata field '{arch}.attention.sliding_window'")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[arch])
+    if isinstance(pattern, list):  # one bool per layer, True = windowed
+        if len(pattern) != n_layers:
+            raise CheckpointError(f"{path}: '{arch}.attention.sliding_window_pattern' has {len(pattern)} entries "
+                                  f"for {n_layers} layers")
+        windowed = [bool(p) for p in pattern]
+    else:
+        windowed = [bool((i + 1) % int(pattern)) for i in range(n_layers)]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    softcaps = {key: meta.get(f"{arch}.{name}") for key, name in
+                (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping"))}
+    return {
+        "layer_windows": tuple(int(window) if w else None for w in windowed),
+        "query_scale": (d_per_head if n_layers == _GEMMA_27B_LAYERS[arch] else head_dim) ** -0.5,
+        "rope_local_theta": _f32(meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)) if arch == "gemma3" else None,
+        **{key: None if value is None else _f32(value) for key, value in softcaps.items()},
+        "eot": (tokens.index(_GEMMA_END_OF_TURN),) if _GEMMA_END_OF_TURN in tokens else (),
+    }
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 import safetensors
 
 from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
-from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, MLAConfig, ModelConfig
+from jaxinfer.config import GEMMA_ARCHITECTURES, SUPPORTED_DTYPES, Llama3RopeScaling, MLAConfig, ModelConfig
 from jaxinfer.model.params import ModelParams, build_params
 
 # HF `architectures[0]` -> our `ModelConfig.arch`.
@@ -30,6 +30,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -55,6 +57,15 @@ _LAYER_TENSORS = {  # LayerParams field -> name inside `model.layers.{i}.`
     "kv_a_norm": "self_attn.kv_a_layernorm.weight",
     "wkv_b": "self_attn.kv_b_proj.weight",
 }
+# Gemma 2/3 name their norms around attention and MLP differently: `post_attention_layernorm`
+# is the norm on the attention output, `pre_feedforward_layernorm` the one before the MLP.
+_GEMMA_LAYER_TENSORS = _LAYER_TENSORS | {
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
 _GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
@@ -70,8 +81,10 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
     `model.safetensors.index.json`) from an HF model directory; weights come back in `dtype`.
 
     Supports LlamaForCausalLM, MistralForCausalLM (with its `sliding_window`),
-    Qwen2ForCausalLM (with `layer_types` / `use_sliding_window`) and DeepseekV3ForCausalLM
-    with dense MLP layers only (`first_k_dense_replace >= num_hidden_layers`). Raises
+    Qwen2ForCausalLM (with `layer_types` / `use_sliding_window`), DeepseekV3ForCausalLM
+    with dense MLP layers only (`first_k_dense_replace >= num_hidden_layers`), and
+    Gemma2ForCausalLM / Gemma3ForCausalLM (text; their `(1 + w)` norm weights are stored
+    as `1 + w`, see `ModelConfig`). Raises
     `CheckpointError` naming the file and the field or tensor for anything it cannot load.
     """
     if dtype not in SUPPORTED_DTYPES:
@@ -86,7 +99,7 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
         handles: dict[Path, Any] = {}
 
         def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-            tensor_name = _hf_tensor_name(name)
+            tensor_name = _hf_tensor_name(config, name)
             if tensor_name not in weight_map:
                 raise CheckpointError(f"{path}: missing tensor {tensor_name!r}")
             file = path / weight_map[tensor_name]
@@ -96,7 +109,8 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
                 stored_shape = tuple(handles[file].get_slice(tensor_name).get_shape())
                 if stored_shape != shape:
                     raise CheckpointError(f"{file}: tensor {tensor_name!r} has shape {stored_shape}, expected {shape}")
-                return _deinterleave_rope(config, hf, name, handles[file].get_tensor(tensor_name))
+                tensor = _deinterleave_rope(config, hf, name, handles[file].get_tensor(tensor_name))
+                return np.asarray(tensor).astype(np.float32) + 1 if config.is_gemma and name.endswith("norm") else tensor
             except safetensors.SafetensorError as error:
                 raise CheckpointError(f"{file}: tensor {tensor_name!r}: {error}") from error
 
@@ -121,8 +135,9 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
 
     _reject_unsupported(hf, arch, file)
     n_heads = int(field("num_attention_heads"))
-    rope = _rope_dict(hf)
+    rope, local_theta = _rope_dict(hf, arch, file)
     mla = _mla_config(hf, file) if arch == "deepseek_v3" else None
+    gemma = arch in GEMMA_ARCHITECTURES
     with as_checkpoint_error(file):
         return ModelConfig(
             arch=arch,
@@ -143,7 +158,16 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             eos_ids=_as_ids(hf.get("eos_token_id")),
             layer_windows=_layer_windows(hf, arch, int(field("num_hidden_layers")), file),
             mla=mla,
+            query_scale=float(field("query_pre_attn_scalar")) ** -0.5 if gemma else None,
+            rope_local_theta=local_theta,
+            # transformers' Gemma 3 attention ignores `attn_logit_softcapping` (its configs leave it null)
+            attn_softcap=None if arch == "gemma3" else _optional_float(hf, "attn_logit_softcapping"),
+            final_softcap=_optional_float(hf, "final_logit_softcapping"),
         )
+
+
+def _optional_float(hf: dict[str, Any], key: str) -> float | None:
+    return None if hf.get(key) is None else float(hf[key])
 
 
 def _layer_windows(hf: dict[str, Any], arch: str, n_layers: int, file: Path) -> tuple[int | None, ...]:
@@ -153,6 +177,9 @@ def _layer_windows(hf: dict[str, Any], arch: str, n_layers: int, file: Path) -> 
     types = hf.get("layer_types")
     if arch == "qwen2" and not hf.get("use_sliding_window", False):
         window = None  # Qwen2 ignores sliding_window unless use_sliding_window (HF Qwen2Config)
+    if types is None and arch in GEMMA_ARCHITECTURES:  # older configs: every `pattern`-th layer is global
+        pattern = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     if types is None:
         return (int(window),) * n_layers if window and arch == "mistral" else ()
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
@@ -196,17 +223,36 @@ def _deinterleave_rope(config: ModelConfig, hf: dict[str, Any], name: str, tenso
 
 def _reject_unsupported(hf: dict[str, Any], arch: str, file: Path) -> None:
     """Fail on config switches whose weights or math `ModelParams` cannot express."""
-    if hf.get("hidden_act", "silu") != "silu":
+    if arch in GEMMA_ARCHITECTURES:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise CheckpointError(f"{file}: unsupported config field hidden_activation={act!r} (need 'gelu_pytorch_tanh')")
+        if hf.get("use_bidirectional_attention"):
+            raise CheckpointError(f"{file}: unsupported config field use_bidirectional_attention=true (a decoder needs "
+                                  "causal attention)")
+    elif hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{file}: unsupported config field hidden_act={hf['hidden_act']!r} (need 'silu')")
     for key in ("attention_bias", "mlp_bias"):  # Llama's switches; they also add o_proj/down biases
         if arch != "qwen2" and hf.get(key):
             raise CheckpointError(f"{file}: unsupported config field {key}=true")
 
 
-def _rope_dict(hf: dict[str, Any]) -> dict[str, Any]:
-    """transformers >= 5 writes `rope_parameters` (with `rope_theta` inside); older configs
-    have `rope_scaling` plus a top-level `rope_theta`."""
-    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+def _rope_dict(hf: dict[str, Any], arch: str, file: Path) -> tuple[dict[str, Any], float | None]:
+    """-> (the global layers' RoPE parameters, the windowed layers' RoPE base or None: the same).
+
+    transformers >= 5 writes `rope_parameters` (with `rope_theta` inside), for Gemma 3 one dict
+    per layer type; older configs have `rope_scaling` plus a top-level `rope_theta` (Gemma 3:
+    and `rope_local_base_freq`, default 10000)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if arch != "gemma3":
+        return rope, None
+    if "full_attention" not in rope:
+        return rope, float(hf.get("rope_local_base_freq", 10000.0))
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{file}: unsupported RoPE scaling of the sliding layers "
+                              f"rope_parameters.sliding_attention={local!r}")
+    return rope["full_attention"], float(local.get("rope_theta", 10000.0))
 
 
 def _rope_scaling(rope: dict[str, Any], file: Path) -> Llama3RopeScaling | None:
@@ -275,9 +321,9 @@ def _read_json(file: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: cannot read JSON: {error}") from error
 
 
-def _hf_tensor_name(name: str) -> str:
+def _hf_tensor_name(config: ModelConfig, name: str) -> str:
     """Our parameter name (`embed`, `layers.3.wq`) -> HF name (`model.layers.3.self_attn.q_proj.weight`)."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     _, layer, field = name.split(".")
-    return f"model.layers.{layer}.{_LAYER_TENSORS[field]}"
+    return f"model.layers.{layer}.{(_GEMMA_LAYER_TENSORS if config.is_gemma else _LAYER_TENSORS)[field]}"

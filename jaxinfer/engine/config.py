@@ -90,6 +90,10 @@ class EngineMetrics:
     pages_used: int
     pages_free: int
     pages_cached: int
+    # the windowed layers' own pool of a hybrid model (`jaxinfer.kv.window_ring`): a ring per
+    # slot, held by running requests; 0 when every layer uses the pages above
+    window_pages_used: int
+    window_pages_total: int
     prefix_hit_rate: float  # cached full prompt pages / full prompt pages looked up
     prefix_hits: int
     prefix_queries: int

@@ -40,7 +40,8 @@ from jaxinfer.kv.kivi import KiviLayerKV
 from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.kv.streaming import StreamingSpec
-from jaxinfer.layer_stack import entry_pytrees
+from jaxinfer.kv.window_ring import ring_pages
+from jaxinfer.layer_stack import LayerStack, entry_pytrees
 from jaxinfer.loading import Model
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, with_layer_runs
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
@@ -93,9 +94,12 @@ class Engine:
         runs = (layer_runs(mc, config.kv_cache, (sc.self_layers,) if sc and sc.method == "self" else ())
                 if resolve_layer_loop(config.layer_loop) == "scan" else None)
         self.model = model = dataclasses.replace(model, params=with_layer_runs(model.params, runs))
+        max_chunk = max(config.prefill_chunk, 1 + (sc.num_speculative if sc else 0))
+        # hybrid models on one device: windowed layers in a bounded ring per slot (`jaxinfer.kv.window_ring`)
+        self.window_ring = None if stream or config.mesh else window_ring(mc, config.page_size, max_chunk, pages_per_seq)
         self.kv = self._commit(init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
                                              kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh),
-                                             layer_runs=runs))
+                                             layer_runs=runs, window_ring=self.window_ring))
         self._step, self._spec_step = engine_step, speculative_step
         self._compiles = CompileCounter()  # `compiled_programs`: this engine's programs only
         self._compiler: BackgroundCompiler | None = None  # `start_warmup`
@@ -117,7 +121,9 @@ class Engine:
         self.scheduler = Scheduler(
             max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
             prefill_chunk=config.prefill_chunk, max_prefill_rows=config.max_prefill_rows,
-            max_tokens_per_step=config.max_tokens_per_step, enable_prefix_caching=config.enable_prefix_caching and stream is None,
+            # a prefix hit would skip tokens whose keys a windowed layer's ring never received
+            max_tokens_per_step=config.max_tokens_per_step,
+            enable_prefix_caching=config.enable_prefix_caching and stream is None and self.window_ring is None,
             cache_root=cache_identity(mc, repr(config.kv_cache), str(jax.tree.leaves(self.kv.layers[0])[0].dtype),
                                       config.page_size),
             static_batching=config.scheduling == "static",
@@ -705,11 +711,33 @@ class Engine:
             if rid in self.requests:
                 self.abort(rid)
 
+    def request_kv_bytes(self, request_id: str) -> int:
+        """Bytes of the KV pools request `request_id` holds now, measured from the pools: per
+        layer cache, its bytes per pool page times the pages the request holds there (its
+        pages in the global pool, or its slot's ring in a windowed layer's own pool)."""
+        req = self.requests[request_id]
+        held = {False: sum(p != NULL_PAGE for p in req.pages), True: self.window_ring or 0}
+        total = 0
+        for ring, entry in self._layer_pools():
+            leaves = jax.tree.leaves(entry)
+            pool = leaves[0].shape[isinstance(entry, LayerStack)]
+            total += sum(leaf.nbytes for leaf in leaves) * held[ring] // pool
+        return total
+
+    def _layer_pools(self) -> Iterator[tuple[bool, object]]:
+        """(in a windowed ring pool?, cache) per entry of `kv.layers` (a layer or a run of alike layers)."""
+        first = 0
+        for entry in self.kv.layers:
+            yield self.window_ring is not None and self.model.config.window(first) is not None, entry
+            first += entry.n if isinstance(entry, LayerStack) else 1
+
     def metrics(self) -> EngineMetrics:
         s = self.scheduler
+        ring = self.window_ring or 0
         return EngineMetrics(
             running=len(s.running), waiting=len(s.waiting), pages_used=s.num_allocated,
             pages_free=s.num_free, pages_cached=s.num_cached,
+            window_pages_used=ring * len(s.running), window_pages_total=ring * self.spec.max_slots,
             prefix_hit_rate=s.stats.prefix_hits / max(s.stats.prefix_queries, 1),
             prefix_hits=s.stats.prefix_hits, prefix_queries=s.stats.prefix_queries,
             preemptions=s.stats.preemptions, steps=self._steps, compiled_programs=self._compiles.compiled,
@@ -742,6 +770,18 @@ def release_window(config: ModelConfig) -> int | None:
     when every layer is windowed (Mistral), else None (a global layer needs every page)."""
     windows = config.layer_windows
     return max(windows) if windows and None not in windows else None
+
+
+def window_ring(config: ModelConfig, page_size: int, max_chunk: int, pages_per_seq: int) -> int | None:
+    """Ring pages per slot for the windowed layers of a hybrid model (some layers windowed, some
+    global; `jaxinfer.kv.window_ring`), or None: no such layers, every layer windowed (pages
+    behind the window are released instead: `release_window`), or a ring no smaller than a
+    whole sequence's block table."""
+    windows = [w for w in config.layer_windows if w is not None]
+    if not windows or len(windows) == config.n_layers:
+        return None
+    ring = ring_pages(max(windows), max_chunk, page_size)
+    return ring if ring < pages_per_seq else None
 
 
 def context_buckets(max_pages: int, smallest: int) -> list[int]:

@@ -4,10 +4,14 @@
 `jaxinfer.kv.layer_cache`), or one per run of alike layers stacked along a leading layer axis
 (`jaxinfer.layer_stack`), the block tables and the lengths; page addressing is in
 `jaxinfer.kv.pages` (diagram there). `write_indices` places a step's tokens: after each
-slot's cached tokens, or into a StreamingLLM ring (`jaxinfer.kv.streaming`).
+slot's cached tokens, or into a StreamingLLM ring (`jaxinfer.kv.streaming`). With
+`window_tables`, the sliding-window layers of a hybrid model keep a bounded pool of their own
+(a ring of pages per slot, `jaxinfer.kv.window_ring`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,7 @@ from jaxinfer.kv.pages import (NULL_PAGE, KVCacheSpec, WriteIndices, block_table
                                scatter_tokens)
 from jaxinfer.kv.plan import KVCacheArg, resolve_kv_cache
 from jaxinfer.kv.streaming import StreamingSpec, ring_write_indices
+from jaxinfer.kv.window_ring import ring_tables
 
 # Names that lived here before `pages`, `dense` and `layer_cache` split out; kept for one release.
 __all__ = ["NULL_PAGE", "KVCacheSpec", "LayerKV", "PagedKVState", "WriteIndices", "block_table_array",
@@ -37,20 +42,25 @@ class PagedKVState:
     # Static: None = logical block tables; a StreamingSpec = each slot is a bounded
     # StreamingLLM ring of sinks + recent tokens (`jaxinfer.kv.streaming`).
     streaming: StreamingSpec | None = struct.field(pytree_node=False, default=None)
+    # i32[max_slots, R]: each slot's ring of pages in the windowed layers' own pool (of
+    # max_slots * R + 1 pages), or None: every layer uses `block_tables` (`jaxinfer.kv.window_ring`).
+    window_tables: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
-        return self._first_leaf_shape[0]
+        """Pages in the pool of the layers addressed by `block_tables` (not the windowed pool)."""
+        pools = [shape[0] for shape in self._leaf_shapes]
+        ring_pool = None if self.window_tables is None else self.window_tables.size + 1
+        return next((n for n in pools if n != ring_pool), pools[0])
 
     @property
     def page_size(self) -> int:
-        return self._first_leaf_shape[1]
+        return self._leaf_shapes[0][1]
 
     @property
-    def _first_leaf_shape(self) -> tuple[int, ...]:
-        """[num_pages, page_size, ...] (a run's leaves have a leading layer axis)."""
-        first = self.layers[0]
-        return jax.tree.leaves(first)[0].shape[isinstance(first, layer_stack.LayerStack):]
+    def _leaf_shapes(self) -> list[tuple[int, ...]]:
+        """[pool pages, page_size, ...] of each entry's first leaf (a run's has a leading layer axis)."""
+        return [jax.tree.leaves(e)[0].shape[isinstance(e, layer_stack.LayerStack):] for e in self.layers]
 
     @property
     def max_slots(self) -> int:
@@ -63,7 +73,8 @@ class PagedKVState:
 
 def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
                   streaming: StreamingSpec | None = None, kv_cache: KVCacheArg = "auto",
-                  kv_head_copies: int = 1, layer_runs: tuple[int, ...] | None = None) -> PagedKVState:
+                  kv_head_copies: int = 1, layer_runs: tuple[int, ...] | None = None,
+                  window_ring: int | None = None) -> PagedKVState:
     """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0.
 
     MLA models (`config.mla`) get `LatentKV` layers. `streaming` makes every slot a
@@ -80,6 +91,10 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
     `layer_runs` (lengths summing to `n_layers`): the stacked layout, one cache per run with a
     leading layer axis (`jaxinfer.layer_stack`; the runs must hold alike layers), allocated
     stacked rather than stacked after the fact, which would briefly hold the pool twice.
+
+    `window_ring=R`: the sliding-window layers get a pool of their own, `spec.max_slots * R + 1`
+    pages, each slot a ring of R (`jaxinfer.kv.window_ring.ring_pages` sizes it); the global
+    layers keep `spec.num_pages`. Needs a model with both kinds of layer and no streaming.
     """
     if not isinstance(kv_head_copies, int) or kv_head_copies < 1:
         raise ValueError(f"kv_head_copies={kv_head_copies!r} must be a positive integer")
@@ -88,30 +103,51 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
     if config.q_per_kv % kv_head_copies:
         raise ValueError(f"kv_head_copies={kv_head_copies} must divide the query heads per KV head "
                          f"({config.n_heads} / {config.n_kv_heads} = {config.q_per_kv}), or queries would read the wrong copy")
+    if window_ring is not None:
+        _check_window_ring(config, window_ring, streaming)
     if layer_runs is not None:
         def stacked() -> PagedKVState:  # under jit: the unrolled zeros are never materialized
-            kv = init_paged_kv(config, spec, dtype, streaming, kv_cache, kv_head_copies)
+            kv = init_paged_kv(config, spec, dtype, streaming, kv_cache, kv_head_copies, window_ring=window_ring)
             return kv.replace(layers=layer_stack.stack(kv.layers, layer_runs))
         return jax.jit(stacked)()
     dtype = jnp.dtype(dtype or config.dtype)
     if kv_cache != "auto" and (config.mla is not None or streaming is not None):
         _check_kv_cache_with(kv_cache, config, streaming)
-    shape = (spec.num_pages, spec.page_size, config.n_kv_heads * kv_head_copies, config.head_dim)
+    ring_spec = None if window_ring is None else dataclasses.replace(
+        spec, num_pages=spec.max_slots * window_ring + 1, max_pages_per_seq=window_ring)
+
+    def layer_spec(i: int) -> KVCacheSpec:  # the pool layer i's pages live in
+        return ring_spec if ring_spec is not None and config.window(i) is not None else spec
+
     if config.mla is not None:
         if streaming is not None:
             raise ValueError("a streaming cache is not supported for MLA models")
         layers = tuple(LatentKV.zeros(config.mla, spec, dtype) for _ in range(config.n_layers))
     elif kv_cache == "auto":
-        layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(config.n_layers))
+        heads = (config.n_kv_heads * kv_head_copies, config.head_dim)
+        layers = tuple(LayerKV(k=jnp.zeros((s.num_pages, s.page_size, *heads), dtype),
+                               v=jnp.zeros((s.num_pages, s.page_size, *heads), dtype))
+                       for s in map(layer_spec, range(config.n_layers)))
     else:
         formats = resolve_kv_cache(kv_cache, config.n_layers, dtype.name)
-        layers = tuple(make_layer_kv(f, spec, config.n_kv_heads, config.head_dim, dtype, kv_head_copies) for f in formats)
+        layers = tuple(make_layer_kv(f, layer_spec(i), config.n_kv_heads, config.head_dim, dtype, kv_head_copies)
+                       for i, f in enumerate(formats))
     return PagedKVState(
         layers=layers,
         block_tables=jnp.full((spec.max_slots, spec.max_pages_per_seq), NULL_PAGE, jnp.int32),
         lengths=jnp.zeros((spec.max_slots,), jnp.int32),
         streaming=streaming,
+        window_tables=None if window_ring is None else jnp.asarray(ring_tables(spec.max_slots, window_ring)),
     )
+
+
+def _check_window_ring(config: ModelConfig, ring: int, streaming: StreamingSpec | None) -> None:
+    kinds = {config.window(i) is None for i in range(config.n_layers)}
+    if kinds != {True, False} or streaming is not None:
+        raise ValueError(f"window_ring={ring} needs a model with both windowed and global layers "
+                         f"(layer_windows={config.layer_windows}) and no streaming cache")
+    if not isinstance(ring, int) or ring < 2:
+        raise ValueError(f"window_ring={ring!r} must be an integer >= 2")
 
 
 def _check_kv_cache_with(kv_cache: KVCacheArg, config: ModelConfig, streaming: StreamingSpec | None) -> None:

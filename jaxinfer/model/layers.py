@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq  # re-exported: RoPE lives with attention
 
-__all__ = ["apply_rope", "linear", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
+__all__ = ["apply_rope", "geglu_mlp", "linear", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -26,3 +26,8 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(gate(x)) * up(x)); x: [..., D] -> [..., D]."""
     return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def geglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's `gelu_pytorch_tanh`); x: [..., D] -> [..., D]."""
+    return linear(jax.nn.gelu(linear(x, w_gate), approximate=True) * linear(x, w_up), w_down)

@@ -32,6 +32,11 @@ class LayerParams:
     bq: jax.Array | None = None  # [n_heads * head_dim]     (Qwen2 only)
     bk: jax.Array | None = None  # [n_kv_heads * head_dim]  (Qwen2 only)
     bv: jax.Array | None = None  # [n_kv_heads * head_dim]  (Qwen2 only)
+    q_norm: jax.Array | None = None  # [head_dim]: RMS norm over each query head (Gemma 3)
+    k_norm: jax.Array | None = None  # [head_dim]: RMS norm over each key head (Gemma 3)
+    post_attn_norm: jax.Array | None = None  # [d_model]: on the attention output (Gemma 2/3)
+    post_mlp_norm: jax.Array | None = None  # [d_model]: on the MLP output (Gemma 2/3)
+    sinks: jax.Array | None = None  # [n_heads]: learned sink logit per query head (gpt-oss)
 
 
 @struct.dataclass
@@ -93,6 +98,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "bk": (c.n_kv_heads * c.head_dim,),
             "bv": (c.n_kv_heads * c.head_dim,),
         }
+    if c.qk_norm:
+        shapes |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
+    if c.is_gemma:
+        shapes |= {"post_attn_norm": (c.d_model,), "post_mlp_norm": (c.d_model,)}
+    if c.attn_sinks:
+        shapes |= {"sinks": (c.n_heads,)}
     return shapes
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,9 @@ from jaxinfer.kv.layer_cache import LayerCache, stored_kv_heads
 from jaxinfer.kv.pages import WriteIndices
 from jaxinfer.kv.paged_state import PagedKVState, write_indices
 from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.kv.window_ring import ring_indices
 from jaxinfer.layer_stack import LayerStack, run_lengths
-from jaxinfer.model.layers import linear, rms_norm, swiglu_mlp
+from jaxinfer.model.layers import geglu_mlp, linear, rms_norm, swiglu_mlp
 from jaxinfer.model.mla import mla_attention
 from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams
 
@@ -91,6 +91,9 @@ def attention_block(
     qs = _split(linear(x, layer.wq, layer.bq).reshape(-1, c.n_heads, c.head_dim), groups)
     ks = _split(linear(x, layer.wk, layer.bk).reshape(-1, c.n_kv_heads, c.head_dim), groups)
     vs = _split(linear(x, layer.wv, layer.bv).reshape(-1, c.n_kv_heads, c.head_dim), groups)
+    if c.qk_norm:  # per head, before RoPE (Gemma 3)
+        qs = [rms_norm(q, layer.q_norm, c.rms_eps) for q in qs]
+        ks = [rms_norm(k, layer.k_norm, c.rms_eps) for k in ks]
     copies = stored_kv_heads(layer_kv) // c.n_kv_heads
     if copies > 1:  # the pool keeps each KV head `copies` times (`jaxinfer.sharding.kv_head_copies`)
         ks = [jnp.repeat(k, copies, axis=2) for k in ks]  # [B, T, Hkv * copies, Dh]
@@ -103,8 +106,8 @@ def attention_block(
 
     def attend(q, layer_kv, idx):
         return dispatch.paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
-                                        scale=1.0 / math.sqrt(c.head_dim), window=window,
-                                        slots=idx.slots, impl=attention_impl)
+                                        scale=c.attention_scale, window=window, sink_logits=layer.sinks,
+                                        soft_cap=c.attn_softcap, slots=idx.slots, impl=attention_impl)
 
     if mesh is not None and layer_kv.splits_over_mesh:
         outs, layer_kv = sharded_write_and_attend(mesh, layer_kv, qs, ks, vs, idxs, tuple(g.by_replica for g in groups),
@@ -121,7 +124,7 @@ def _streaming_attention(c: ModelConfig, window: int | None, streaming: Streamin
     outs = [
         dispatch.streaming_attention(q, k, v, layer_kv, idx.block_tables, idx.cache_index[:, 0],
                                      idx.new_lengths - idx.cache_index[:, 0], streaming, inv_freq,
-                                     1.0 / math.sqrt(c.head_dim), window=window, impl=attention_impl)
+                                     c.attention_scale, window=window, impl=attention_impl)
         for q, k, v, idx in zip(qs, ks, vs, idxs)
     ]
     for k, v, idx in zip(ks, vs, idxs):
@@ -133,6 +136,12 @@ def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
     """x: [..., D] -> f32 logits [..., V] (tied to the embedding when lm_head is None)."""
     w = params.embed if params.lm_head is None else params.lm_head
     return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+
+
+def soft_cap_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:
+    """f32[..., V] -> cap * tanh(logits / cap) with `config.final_softcap` (Gemma 2), else as is."""
+    cap = config.final_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def forward_groups(
@@ -168,18 +177,27 @@ def forward_hidden(
     reads, `jaxinfer.speculative.eagle`). XLA drops them where the caller does not use them.
     `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
-    rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_dim
-    inv_freq = rope_inv_freq(rope_dim, config.rope_theta, config.rope_scaling)
+    # windowed layers of a hybrid model: their own pool, a ring of pages per slot (`jaxinfer.kv.window_ring`)
+    ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size) for i in idxs]
+    inv_freq = {w: layer_inv_freq(config, w) for w in {None, *config.layer_windows}}  # f32[Dh/2] per window
     if inputs is None:
         inputs = _flat([params.embed[g.tokens] for g in groups])
+        if config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as HF does
+            inputs = inputs * jnp.asarray(config.embed_scale, inputs.dtype)
     x = inputs.astype(config.jnp_dtype)  # [N, D]
+    mlp = geglu_mlp if config.is_gemma else swiglu_mlp
+
+    def post_norm(h, weight):  # Gemma 2/3 norm the attention and MLP outputs before the residual add
+        return h if weight is None else rms_norm(h, weight, config.rms_eps)
 
     def decoder_layer(x, layer, layer_kv, window):  # [N, D] -> [N, D], the layer's new cache
+        layer_idxs = idxs if window is None or ring_idxs is None else ring_idxs
         h, layer_kv = attention_block(config, layer, layer_kv, rms_norm(x, layer.attn_norm, config.rms_eps), groups,
-                                      idxs, inv_freq, window=window, streaming=kv.streaming, max_slots=kv.max_slots,
-                                      attention_impl=attention_impl, mesh=mesh)
-        x = x + h
-        return x + swiglu_mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down), layer_kv
+                                      layer_idxs, inv_freq[window], window=window, streaming=kv.streaming,
+                                      max_slots=kv.max_slots, attention_impl=attention_impl, mesh=mesh)
+        x = x + post_norm(h, getattr(layer, "post_attn_norm", None))
+        h = mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
+        return x + post_norm(h, getattr(layer, "post_mlp_norm", None)), layer_kv
 
     caches = []
     for first, layer, layer_kv in _entries(config, params, kv):
@@ -196,11 +214,20 @@ def forward_hidden(
     for g, xg in zip(groups, _split(x, groups)):
         if g.logits_index is not None:
             xg = jnp.take_along_axis(xg, g.logits_index[:, None, None], axis=1)[:, 0]  # [B, D]
-        logits.append(lm_head(params, xg))
+        logits.append(soft_cap_logits(config, lm_head(params, xg)))
     lengths = kv.lengths
     for g in groups:
         lengths = lengths.at[g.slots].add(g.num_new)
     return tuple(logits), tuple(hidden), dataclasses.replace(kv, lengths=lengths)
+
+
+def layer_inv_freq(config: ModelConfig, window: int | None) -> jax.Array:
+    """f32[rope_dim / 2]: RoPE frequencies of a layer with this window; windowed layers use
+    `rope_local_theta` (unscaled) when the config sets one (Gemma 3: local 10k, global 1M)."""
+    rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_dim
+    if window is not None and config.rope_local_theta is not None:
+        return rope_inv_freq(rope_dim, config.rope_local_theta, None)
+    return rope_inv_freq(rope_dim, config.rope_theta, config.rope_scaling)
 
 
 def _entries(config: ModelConfig, params: ModelParams, kv: PagedKVState):
