@@ -15,6 +15,9 @@ continuous vs static only (`continuous_over_static_longtail`).
 Host: for the continuous runs, the host time per engine step (p50 of `Engine.step` wall time
 minus its device program) and the fraction of wall time no program ran (`device_idle_frac`;
 the engine is synchronous, so that is the host's share).
+Async: the continuous run again with `EngineConfig(async_scheduling=True)` (step n + 1 is
+dispatched before step n's tokens are read) against the synchronous engine, alternating,
+best of 2 each, timed by the wall clock only (`async_over_sync`).
 Prefix: requests = one 512-token system prompt + a short question each, max_slots 16, with
 and without the prefix cache: prompt tokens computed and mean time to first token.
 """
@@ -66,6 +69,25 @@ def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, 
         outs = engine.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == list(outputs)
     return sum(outputs) / timer.wall, engine.metrics().compiled_programs - compiled, timer
+
+
+def async_over_sync(model, prompts, outputs, repeats: int = 2) -> tuple[float, float]:
+    """(synchronous, asynchronous) continuous-batching tok/s, best of `repeats` alternating runs."""
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.sampling import SamplingParams
+
+    engines = {a: Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
+                                             enable_prefix_caching=False, async_scheduling=a)) for a in (False, True)}
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    best = {False: 0.0, True: 0.0}
+    for engine in engines.values():
+        engine.warmup()
+    for _ in range(repeats):
+        for a, engine in engines.items():
+            start = time.perf_counter()
+            engine.generate(prompts, params)
+            best[a] = max(best[a], sum(outputs) / (time.perf_counter() - start))
+    return best[False], best[True]
 
 
 def hf_static_throughput(prompts, outputs) -> float:
@@ -132,6 +154,8 @@ def main() -> None:
     print(f"long tail (outputs p99/p50 {tail_ratio(tail_outputs):.1f}, {sum(tail_outputs)} tokens, max {max(tail_outputs)}): "
           f"continuous {tail_cont:.1f} tok/s, static {tail_static:.1f} tok/s; host {tail_timer.host_ms_per_step:.2f} ms/step, "
           f"device idle {tail_timer.device_idle_frac:.3f}", flush=True)
+    sync_tok_s, async_tok_s = async_over_sync(model, prompts, outputs)
+    print(f"async scheduling: {async_tok_s:.1f} tok/s vs synchronous {sync_tok_s:.1f} tok/s (best of 2 each)", flush=True)
     hf = float(subprocess.run([sys.executable, __file__, "--only", "hf", "--requests", str(args.requests)],
                               capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     print(f"hf static:  {hf:.1f} tok/s", flush=True)
@@ -149,6 +173,7 @@ def main() -> None:
         "host_ms_per_step": round(timer.host_ms_per_step, 3), "device_idle_frac": round(timer.device_idle_frac, 4),
         "host_ms_per_step_longtail": round(tail_timer.host_ms_per_step, 3),
         "device_idle_frac_longtail": round(tail_timer.device_idle_frac, 4),
+        "async_tok_s": round(async_tok_s, 1), "async_over_sync": round(async_tok_s / sync_tok_s, 3),
     }))
 
 

@@ -50,6 +50,7 @@ print(json.dumps({"load_cpu_s": time.process_time() - t}))
 
 WARMUP = """
 import json, time
+import jax
 import numpy as np
 from jaxinfer import load_model
 from jaxinfer.engine import Engine, EngineConfig
@@ -63,7 +64,7 @@ for width in engine.context_buckets:  # every program is compiled: this is run t
     times = []
     for _ in range(7):
         t = time.perf_counter()
-        engine._run(batch, None)
+        jax.block_until_ready(engine._dispatch(0, batch, None, None))
         times.append(time.perf_counter() - t)
     steps[width] = 1e3 * float(np.median(times[2:]))
 print(json.dumps({"warmup_cpu_s": warmup, "compiled_programs": engine.metrics().compiled_programs,

@@ -46,6 +46,11 @@ def _add_compilation_cache_flag(p: argparse.ArgumentParser) -> None:
                    help="do not keep compiled programs in $JAXINFER_CACHE/xla (the next start compiles them again)")
 
 
+def _add_async_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while the device runs this one (not with --speculative)")
+
+
 def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="SOURCE",
                    help="speculative decoding: 'ngram' (prompt lookup), 'self:N' (the model's first N layers), "
@@ -102,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_flag(gen)
     gen.add_argument("--stats", action="store_true", help="print the engine metrics at the end")
     _add_speculative_flags(gen)
+    _add_async_flag(gen)
     _add_compilation_cache_flag(gen)
     _add_mesh_flags(gen)
 
@@ -155,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=64)
     srv.add_argument("--no-prefix-caching", action="store_true")
     _add_speculative_flags(srv)
+    _add_async_flag(srv)
     _add_compilation_cache_flag(srv)
     _add_mesh_flags(srv)
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
@@ -195,6 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
     engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position),
                                         mesh=mesh, attention_impl=args.attention_impl, speculative=speculative,
+                                        async_scheduling=args.async_scheduling,
                                         compilation_cache=not args.no_compilation_cache))
     if engine.is_follower:  # a mesh over several processes: process 0 schedules and prints
         engine.follow()
@@ -281,6 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=min(args.max_model_len, model.config.max_position),
                           attention_impl=args.attention_impl, speculative=speculative,
+                          async_scheduling=args.async_scheduling,
                           compilation_cache=not args.no_compilation_cache, mesh=mesh)
     if spans_processes(mesh) and jax.process_index() != 0:  # process 0 schedules and serves HTTP; here: follow it
         print(f"process {jax.process_index()}: following process 0's engine", file=sys.stderr, flush=True)

@@ -33,6 +33,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # `SamplingParams.output_kind`
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. `temperature=0` means greedy (argmax); so does a positive
@@ -50,6 +53,11 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: bool = True  # False: never use draft tokens (when the engine speculates)
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
+    # What each `RequestOutput` of the request holds (vLLM's RequestOutputKind): "cumulative"
+    # (everything so far), "delta" (token_ids / text / logprobs: only what is new since the
+    # last output) or "final_only" (no output until it finishes, then everything). The last
+    # two spare the host a copy of the whole output per token.
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         """Range-check every field, so a request that passes can always be packed into a
@@ -74,6 +82,7 @@ class SamplingParams:
         _check(isinstance(self.speculative, bool), f"speculative={self.speculative!r} must be a bool")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        _check(self.output_kind in OUTPUT_KINDS, f"output_kind={self.output_kind!r} must be one of {OUTPUT_KINDS}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", stop)

@@ -125,6 +125,20 @@ def sample_prefill(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths:
 
 
 @jax.jit
+def feed_decode_tokens(host_tokens: jax.Array, feed: jax.Array, previous_decode: jax.Array,
+                       previous_prefill: jax.Array) -> jax.Array:
+    """Asynchronous scheduling: each decode row's input token, taken on the device from the
+    previous step's output where the host does not have it yet.
+
+    host_tokens i32[B] (the tokens the host knows), feed i32[B] (-1: the host's token; b < B:
+    the previous step's decode token of slot b; B + p: its token after prefill row p),
+    previous_decode i32[B], previous_prefill i32[P] -> i32[B].
+    """
+    previous = jnp.concatenate([previous_decode, previous_prefill])  # i32[B + P]
+    return jnp.where(feed >= 0, previous[jnp.maximum(feed, 0)], host_tokens)
+
+
+@jax.jit
 def step_logprobs(logits: jax.Array, tokens: jax.Array, prefill_logits: jax.Array | None = None,
                   prefill_tokens: jax.Array | None = None) -> tuple[TokenLogprobs, TokenLogprobs | None]:
     """The logprob program, run apart from the step and only when a request asks: each

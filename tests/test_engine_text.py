@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -135,3 +137,39 @@ def test_request_token_slices_equal_slices_of_all_tokens(prompt, generated, data
     stop = data.draw(st.integers(start, n))
     assert req.tokens(start, stop) == req.all_tokens[start:stop]
     assert [req.token_at(i) for i in range(n)] == req.all_tokens
+
+
+def outputs_by_step(eng: Engine, prompt: str, params: SamplingParams) -> list:
+    rid = eng.add_request(prompt, params)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    return outs
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_output_kinds_delta_and_final_only_add_up_to_cumulative(model, asynchronous):
+    """output_kind "delta" holds only what is new (its pieces add up to the cumulative
+    output, stop string and logprobs included); "final_only" reports once, at the end."""
+    eng = Engine(model, EngineConfig(max_slots=3, page_size=8, prefill_chunk=16, max_model_len=128,
+                                     async_scheduling=asynchronous))
+    [full] = eng.generate([PROMPTS[0]], GREEDY)
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=(stop,), logprobs=2)
+    cumulative = outputs_by_step(eng, PROMPTS[0], base)
+    delta = outputs_by_step(eng, PROMPTS[0], dataclasses.replace(base, output_kind="delta"))
+    final = outputs_by_step(eng, PROMPTS[0], dataclasses.replace(base, output_kind="final_only"))
+    last = cumulative[-1]
+    assert last.finish_reason == "stop" and last.text == full.text[: full.text.find(stop)]
+    assert [o.token_ids for o in delta] == [o.delta_token_ids for o in cumulative]
+    assert [o.text for o in delta] == [o.delta_text for o in cumulative]
+    assert sum((o.token_ids for o in delta), []) == last.token_ids and "".join(o.text for o in delta) == last.text
+    assert sum((o.logprobs for o in delta), []) == last.logprobs
+    assert sum((o.top_logprobs for o in delta), []) == last.top_logprobs
+    assert len(final) == 1 and final[0].finished
+    assert (final[0].token_ids, final[0].text, final[0].logprobs) == (last.token_ids, last.text, last.logprobs)
+
+
+def test_output_kind_is_checked():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="partial")

@@ -451,3 +451,29 @@ def test_speculative_server_metrics_and_logprobs(srv, model):
             assert line and (line.group(1) == "NaN" if a != a else float(line.group(1)) == pytest.approx(a))
     finally:
         s.stop()
+
+
+def test_async_scheduling_server_equals_synchronous(model):
+    """`serve --async-scheduling`: the same seeded texts (n = 2, stop strings, streamed) as the
+    synchronous engine gives; a stream left mid-way still frees its pages."""
+    prompt, sync = "Once upon a time", Engine(model, ENGINE)
+    ids = model.tokenizer.encode(prompt)
+    full = [sync.generate([ids], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True))[0].text
+            for i in range(2)]
+    stop = full[0].strip().split()[1]  # a word in the middle of the first choice
+    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, async_scheduling=True), NAME, warmup=False))
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=T)
+        kw = dict(model=NAME, prompt=prompt, max_tokens=12, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})
+        assert [c.text for c in client.completions.create(**kw).choices] == full
+        streamed = ["", ""]
+        for c in client.completions.create(stream=True, **(kw | {"stop": [stop]})):
+            streamed[c.choices[0].index] += c.choices[0].text
+        assert streamed == [t[: t.index(stop)] if stop in t else t for t in full]
+        body = {"model": NAME, "prompt": "Leave early", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=T) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: {"))
+        s.wait_idle()
+        assert s.metric("jaxinfer_kv_pages_used") == 0
+    finally:
+        s.stop()

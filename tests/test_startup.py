@@ -75,8 +75,8 @@ def test_a_step_runs_the_smallest_compiled_bucket_that_fits(model):
     eng._compiler._done.update(largest)
     before = eng.metrics().compiled_programs
     widths = []
-    run = eng._run
-    eng._run = lambda batch, drafts: widths.append(batch.block_tables.shape[1]) or run(batch, drafts)
+    dispatch = eng._dispatch
+    eng._dispatch = lambda i, batch, *rest: widths.append(batch.block_tables.shape[1]) or dispatch(i, batch, *rest)
     out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0]
     assert set(widths) == {eng.context_buckets[-1]}
     assert eng.metrics().compiled_programs == before

@@ -54,6 +54,12 @@ class EngineConfig:
     # Tokens the narrowest context bucket holds: the step's block tables are cut to the
     # smallest of these widths (x4 each, up to max_model_len) that fits every sequence.
     min_context_bucket: int = 512
+    # Asynchronous scheduling (vLLM v1's `async_scheduling`): `Engine.step` dispatches step
+    # n + 1 before it reads step n's tokens, so the host's scheduling, batch building and
+    # detokenizing overlap the device's work. Step n + 1's decode rows take their input token
+    # from step n's output on the device; `step` returns step n's outputs (one step late). A
+    # request that finishes at step n wastes its row of step n + 1. Plain decoding only.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows", "min_context_bucket"):
@@ -81,6 +87,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
             if self.streaming is not None:
                 raise ValueError("speculative decoding is not supported with streaming caches")
+            if self.async_scheduling:
+                raise ValueError("async_scheduling=True is not supported with speculative decoding (the "
+                                 "number of tokens a step keeps is known only once it has run)")
 
 
 @dataclasses.dataclass(frozen=True)

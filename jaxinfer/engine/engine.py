@@ -53,7 +53,7 @@ from jaxinfer.speculative.drafts.ngram import NgramIndex
 from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead, load_eagle_head
 from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
-from jaxinfer.step import PrefillBatch, StepBatch, engine_step, step_logprobs
+from jaxinfer.step import PrefillBatch, StepBatch, engine_step, feed_decode_tokens, step_logprobs
 
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,28 @@ STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 l
 
 # A step program: (context bucket width, with a prefill group, draft block width; 0 = the plain step)
 ProgramKey = tuple[int, bool, int]
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step dispatched to the device (`Engine._launch`)."""
+
+    plan: SchedulePlan
+    drafts: DraftBatch | EagleBatch | None
+    index: int  # the engine's step count when it was dispatched
+    outputs: tuple  # on the device: see `Engine._dispatch`
+    slots: list[int]  # of plan.decode's requests
+    first_tokens: list[tuple[Request, int]] = dataclasses.field(default_factory=list)  # asynchronous: `_first_tokens`
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's tokens on the host (`Engine._collect`)."""
+
+    tokens: np.ndarray  # i32[B, k + 1]: slot b emits tokens[b, : accepted[b] + 1]
+    accepted: np.ndarray  # i32[B]
+    prefill: np.ndarray | None  # i32[P]: the token after each prefill row's chunk
+    step_logits: tuple  # on the device, for `_logprobs`
 
 
 class Engine:
@@ -137,8 +159,15 @@ class Engine:
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._steps = 0
+        self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step not read yet
+        self._recent_logits: dict[int, tuple] = {}  # step index -> what `_logprobs` needs (the last two steps)
+        # the last plain step's tokens on the device, for `feed_decode_tokens`
+        self._no_prefill = self._replicated(np.zeros(self.scheduler.max_prefill_rows, np.int32))
+        self._previous_tokens = (self._replicated(np.zeros(config.max_slots, np.int32)), self._no_prefill)
         # A mesh over several processes: process 0 schedules, the others `follow` (`multihost`)
         self._channel = StepChannel() if spans_processes(config.mesh) else None
+        if self._channel is not None and config.async_scheduling:
+            raise ValueError("async_scheduling=True is not supported yet on a mesh spanning several processes")
 
     def _init_speculation(self, sc: SpeculativeConfig | None) -> None:
         """The draft source: n-gram (host), the target's first layers, or a draft model with
@@ -191,6 +220,12 @@ class Engine:
         self.draft_kv = self._commit(EagleState(
             kv=init_paged_kv(head.config, self.spec),
             features=jnp.zeros((self.spec.max_slots, k + 1, d), self.model.config.jnp_dtype)))
+
+    def _replicated(self, array: np.ndarray) -> jax.Array:
+        """`array` on the device, or replicated over the mesh's devices."""
+        mesh = self.config.mesh
+        # committed to its device like a program's outputs: jit compiles once per input placement
+        return jax.device_put(array, jax.local_devices()[0]) if mesh is None else sharding.put(array, sharding.replicated(mesh))
 
     def _commit(self, kv):
         """Fresh caches committed to the params' device, as step outputs are: a jit signature
@@ -277,7 +312,9 @@ class Engine:
     # ---- iteration --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the jitted step, return progress per request.
+        """One iteration: schedule, run the jitted step, return progress per request. With
+        `async_scheduling`, it dispatches the next step and returns the previous one's
+        progress (`_async_step`).
 
         A request that makes the step fail is finished with finish_reason "error" (its
         output's `error` says why; the failure is logged with its id) and its pages return
@@ -321,30 +358,79 @@ class Engine:
         return req.error_output(f"{type(error).__name__}: {error}")
 
     def _unguarded_step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling:
+            return self._async_step()
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
         drafts = self._draft_batch(plan) if self.spec_stats else None
         if drafts is not None and self.config.speculative.method == "ngram":
             drafts = self._narrowest(drafts)
-        blocks, accepted, prefill_next, step_logits = self._run(self._batch(plan, draft_width(drafts)), drafts)
-        kept = [int(accepted[r.slot]) for r in plan.decode]
+        launched = self._launch(plan, drafts)
+        result = self._collect(launched)
+        kept = [int(result.accepted[r.slot]) for r in plan.decode]
         self.scheduler.commit(plan, kept)
         if isinstance(drafts, EagleBatch):  # the features the step stored for each row's slot
             for req, n in zip(plan.decode, kept):
                 req.draft_carry = n + 1
             for req, _ in plan.prefill:
                 req.draft_carry = 1
-        self._steps += 1
+        return self._emit(launched, result, kept, self._first_tokens(plan))
+
+    def _async_step(self) -> list[RequestOutput]:
+        """Schedule and dispatch step n + 1, then read step n's tokens and return its outputs.
+
+        The scheduler commits step n + 1 as if each of its decode rows kept its one token;
+        those tokens are "in flight" (`Request.num_in_flight`) until read, and the next step
+        feeds them to its decode rows on the device (`feed_decode_tokens`). Requests that step
+        n finishes (or that are aborted meanwhile) are skipped when step n + 1 is read."""
+        plan = self.scheduler.schedule()
+        launched = None
+        if not plan.empty:
+            launched = self._launch(plan, None, self._feed(plan))
+            self.scheduler.commit(plan)
+            launched.first_tokens = self._first_tokens(plan)
+            rows = [(r, r.slot) for r in plan.decode] + [(r, self.spec.max_slots + row) for r, row in launched.first_tokens]
+            for req, row in rows:
+                req.num_in_flight += 1
+                req.in_flight_row = row
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
+            return []
+        result = self._collect(previous)
+        for req in previous.plan.decode + [r for r, _ in previous.first_tokens]:
+            req.num_in_flight -= 1
+        return self._emit(previous, result, [0] * len(previous.plan.decode), previous.first_tokens)
+
+    def _first_tokens(self, plan: SchedulePlan) -> list[tuple[Request, int]]:
+        """After `commit(plan)`: (request, prefill row) of each chunk that ended its prompt and
+        so sampled the request's next token."""
+        return [(r, row) for (r, _), row in zip(plan.prefill, plan.prefill_rows) if r.pending == 0]
+
+    def _feed(self, plan: SchedulePlan) -> np.ndarray | None:
+        """i32[max_slots]: where each decode row's token comes from (`feed_decode_tokens`), or
+        None when the host has every one."""
+        feed = np.full(self.spec.max_slots, -1, np.int32)
+        for req in plan.decode:
+            if req.num_in_flight:
+                feed[req.slot] = req.in_flight_row
+        return feed if (feed >= 0).any() else None
+
+    def _emit(self, launched: LaunchedStep, result: StepResult, kept: list[int],
+              first_tokens: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """Hand a step's tokens to its requests: append, check stops, finish, report."""
+        plan, drafts = launched.plan, launched.drafts
         now = time.perf_counter()
         # (request, tokens, its row in the logprob arrays: decode [B] / blocks [B, k + 1], or prefill [P])
-        emitted = [(r, blocks[r.slot, : n + 1].tolist(), (0, r.slot)) for r, n in zip(plan.decode, kept)]
-        emitted += [(r, [int(prefill_next[row])], (1, row)) for (r, _), row in zip(plan.prefill, plan.prefill_rows)
-                    if r.pending == 0]
+        # slots as launched: a request preempted since (asynchronous) has none now
+        emitted = [(r, result.tokens[b, : n + 1].tolist(), (0, b)) for r, b, n in zip(plan.decode, launched.slots, kept)]
+        emitted += [(r, [int(result.prefill[row])], (1, row)) for r, row in first_tokens]
+        emitted = [e for e in emitted if not e[0].finished]  # asynchronous: finished or aborted since
+        drafted = {} if drafts is None else {id(r): (int(drafts.num_draft[r.slot]), n) for r, n in zip(plan.decode, kept)}
         wanted = any(r.params.logprobs is not None for r, _, _ in emitted)
-        host_logprobs = self._logprobs(step_logits) if wanted else None
+        host_logprobs = self._logprobs(launched.index, result.step_logits) if wanted else None
         outputs = []
-        for i, (req, tokens, (source, row)) in enumerate(emitted):
+        for req, tokens, (source, row) in emitted:
             try:  # one request's failure here (its text, its stop strings) must not lose the others' tokens
                 for count, token in enumerate(tokens, 1):
                     lp = None
@@ -353,51 +439,75 @@ class Engine:
                     req.append_token(token, now, lp)
                     if req.finish_reason is not None:
                         break
-                if self.spec_stats and i < len(plan.decode):
-                    self._record_speculation(req, 0 if drafts is None else int(drafts.num_draft[req.slot]), kept[i], count)
+                if self.spec_stats and source == 0:
+                    self._record_speculation(req, *drafted.get(id(req), (0, 0)), count)
                 if req.finish_reason is not None:
                     req.metrics.finished_time = now
                     self.finished_metrics.append(req.metrics)
                     self.scheduler.remove(req)
                     del self.requests[req.request_id]
-                outputs.append(req.take_output())
+                if (out := req.take_output()) is not None:
+                    outputs.append(out)
             except Exception as e:  # contained: reported to this request
                 outputs.append(self._fail(req, e))
         return outputs
 
-    def _run(self, batch: StepBatch, drafts: DraftBatch | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple]:
-        """Run the jitted step -> (tokens i32[B, k + 1], accepted i32[B], prefill tokens i32[P],
-        what `_logprobs` needs, left on the device). Slot b emits tokens[b, : accepted[b] + 1]
-        (k = 0 without speculation). Across processes, the followers run it too."""
+    def _launch(self, plan: SchedulePlan, drafts: DraftBatch | EagleBatch | None,
+                feed: np.ndarray | None = None) -> LaunchedStep:
+        """Build the step's batch and dispatch its program (not waiting for it). Across
+        processes, the followers run it too."""
+        batch = self._batch(plan, draft_width(drafts))
+        self._steps += 1
         if self._channel is not None:
-            self._channel.publish(("run", batch, drafts))
-        return self._execute(batch, drafts)
+            self._channel.publish(("run", self._steps, batch, drafts, feed))
+        return LaunchedStep(plan, drafts, self._steps, self._dispatch(self._steps, batch, drafts, feed),
+                            [r.slot for r in plan.decode])
 
-    def _execute(self, batch: StepBatch, drafts: DraftBatch | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple]:
+    def _dispatch(self, index: int, batch: StepBatch, drafts: DraftBatch | None, feed: np.ndarray | None) -> tuple:
+        """Dispatch step `index`'s program -> its outputs, still on the device: (tokens i32[B]
+        or i32[B, k + 1], accepted i32[B] or None, prefill tokens i32[P] or None, what
+        `_logprobs` needs). `feed`: decode rows whose token the previous step made."""
         key = program_key(batch, drafts)
         if self._compiler is not None and key not in self._ran:
             self._compiler.claim(key)  # compiled in the background already, or now, never twice
         elif key not in self._ran and key not in self._compiled and kernels_by_default(self.config.attention_impl):
             self._compile(key)  # a kernel that fails to compile falls back here, not mid-step
+        if self.config.async_scheduling:  # every step, so the program always sees its tokens placed alike
+            feed = np.full(batch.decode_tokens.shape, -1, np.int32) if feed is None else feed
+            batch = dataclasses.replace(batch, decode_tokens=self._compiles.call(
+                feed_decode_tokens, batch.decode_tokens, feed, *self._previous_tokens))
         fn, args = self._program(batch, drafts, self.kv, self.draft_kv, self.attention_impl(key))
         if drafts is None:
             self.kv, out = self._compiles.call(fn, *args)
-            device_tokens, logits = out.decode_tokens, out.decode_logits  # i32[B], f32[B, V]
-            tokens, accepted = np.asarray(device_tokens)[:, None], np.zeros(batch.lengths.shape, np.int32)
+            device_tokens, accepted, logits = out.decode_tokens, None, out.decode_logits  # i32[B], f32[B, V]
+            prefill = self._no_prefill if out.prefill_tokens is None else out.prefill_tokens
+            self._previous_tokens = (device_tokens, prefill)
         else:
             self.kv, self.draft_kv, out = self._compiles.call(fn, *args)
-            device_tokens, logits = out.tokens, out.logits  # i32[B, k + 1], f32[B, k + 1, V]
-            tokens, accepted = np.asarray(device_tokens), np.asarray(out.num_accepted)
+            device_tokens, accepted, logits = out.tokens, out.num_accepted, out.logits  # i32[B, k + 1], f32[B, k + 1, V]
         self._ran.add(key)
-        prefill = None if out.prefill_tokens is None else np.asarray(out.prefill_tokens)
-        return tokens, accepted, prefill, (logits, device_tokens, out.prefill_logits, out.prefill_tokens)
+        self._recent_logits = {index: (logits, device_tokens, out.prefill_logits, out.prefill_tokens),
+                               **{i: v for i, v in self._recent_logits.items() if i == index - 1}}
+        return device_tokens, accepted, out.prefill_tokens
 
-    def _logprobs(self, step_logits: tuple) -> tuple[TokenLogprobs, TokenLogprobs | None]:
-        """The logprob program over a step's logits and tokens (`_run`), fetched to the host:
-        (decode [B] or blocks [B, k + 1], prefill [P] or None). Its compiles count as the
-        engine's: one per step shape, at the first step that asks for logprobs."""
+    def _collect(self, launched: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens and bring them to the host. Slot b emits
+        tokens[b, : accepted[b] + 1] (k = 0 without speculation)."""
+        device_tokens, accepted, prefill = launched.outputs
+        tokens = np.asarray(device_tokens)
+        if accepted is None:
+            tokens, accepted = tokens[:, None], np.zeros(tokens.shape, np.int32)
+        else:
+            accepted = np.asarray(accepted)
+        return StepResult(tokens, accepted, None if prefill is None else np.asarray(prefill),
+                          self._recent_logits[launched.index])
+
+    def _logprobs(self, index: int, step_logits: tuple) -> tuple[TokenLogprobs, TokenLogprobs | None]:
+        """The logprob program over step `index`'s logits and tokens (`_dispatch`), fetched to
+        the host: (decode [B] or blocks [B, k + 1], prefill [P] or None). Its compiles count as
+        the engine's: one per step shape, at the first step that asks for logprobs."""
         if self._channel is not None:
-            self._channel.publish(("logprobs",))
+            self._channel.publish(("logprobs", index))
         return jax.device_get(self._compiles.call(step_logprobs, *step_logits))
 
     # ---- several processes ------------------------------------------------------------------
@@ -414,15 +524,14 @@ class Engine:
         if not self.is_follower:
             raise RuntimeError("Engine.follow() is for processes other than 0 of a mesh spanning several processes")
         self.start_warmup()
-        step_logits = None
         while True:
             kind, *args = self._channel.receive()
             if kind == "stop":
                 return
             if kind == "run":
-                *_, step_logits = self._execute(*args)
+                jax.block_until_ready(self._dispatch(*args)[0])  # in step with the leader, which reads each step
             elif kind == "logprobs":
-                self._compiles.call(step_logprobs, *step_logits)
+                self._compiles.call(step_logprobs, *self._recent_logits[args[0]])
 
     def close(self) -> None:
         """Leader: release the followers (their `follow` returns). Nothing to do otherwise."""
@@ -536,6 +645,7 @@ class Engine:
         `start_warmup` does the same in the background while the engine serves."""
         for key in self.program_keys():
             self._compile(key)
+        self._compile_feed()
         return len(self.program_keys())
 
     def start_warmup(self) -> None:
@@ -544,7 +654,15 @@ class Engine:
         bucket that holds its sequences, and compiles (or waits for) one itself only when none
         does. `ready` says when the smallest bucket's programs are there."""
         if self._compiler is None:
+            self._compile_feed()
             self._compiler = BackgroundCompiler(self._compile, self.program_keys())
+
+    def _compile_feed(self) -> None:
+        """Asynchronous scheduling: compile `feed_decode_tokens` (tiny) with the steps."""
+        if self.config.async_scheduling:
+            b = np.zeros(self.config.max_slots, np.int32)
+            with self._compiles.attribute():
+                feed_decode_tokens.lower(b, b, *self._previous_tokens).compile()
 
     @property
     def ready(self) -> bool:
@@ -581,6 +699,8 @@ class Engine:
                                 carried=np.zeros(b, np.int32), prefill_carried=np.zeros(rows, bool) if with_prefill else None)
         abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
         batch, kv = self._idle_batch(width, with_prefill), abstract(self.kv)
+        if self.config.async_scheduling:  # its decode tokens come from `feed_decode_tokens`, on the device
+            batch = dataclasses.replace(batch, decode_tokens=self._replicated(batch.decode_tokens))
         draft_kv = None if self.draft_kv is None else abstract(self.draft_kv)
         with self._compiles.attribute():
             try:
@@ -638,7 +758,8 @@ class Engine:
         decode_tokens = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
         for req in plan.decode:
-            decode_tokens[req.slot] = req.token_at(req.num_computed)
+            if not req.num_in_flight:  # else the device feeds it (`_feed`)
+                decode_tokens[req.slot] = req.token_at(req.num_computed)
             active[req.slot] = True
         prefill = None
         if plan.prefill:
@@ -674,6 +795,9 @@ class Engine:
         per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
+        # only the final outputs are returned: none of the intermediate ones need copying
+        per = [dataclasses.replace(p, output_kind="final_only") if isinstance(p, SamplingParams)
+               and p.output_kind == "cumulative" else p for p in per]
         ids = []
         try:
             for prompt, p in zip(prompts, per):

@@ -47,8 +47,10 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated ids so far (a final EOS / stop id included)
-    text: str  # all generated text so far (special tokens and a matched stop string excluded)
+    # all generated ids / text so far (a final EOS / stop id included; special tokens and a
+    # matched stop string excluded from the text); with output_kind "delta", only the new ones
+    token_ids: list[int]
+    text: str
     delta_token_ids: list[int]
     delta_text: str
     finished: bool
@@ -65,8 +67,11 @@ class Request:
     """Mutable host-side record of one request.
 
     `all_tokens = prompt + generated`; the first `num_computed` of them have KV in the
-    cache. `pending = len(all_tokens) - num_computed` tokens still have to go through the
-    model: a request with one pending token decodes, one with more prefills a chunk.
+    cache. `pending = len(all_tokens) + num_in_flight - num_computed` tokens still have to go
+    through the model: a request with one pending token decodes, one with more prefills a
+    chunk. With asynchronous scheduling, `num_in_flight` tokens were sampled by steps already
+    dispatched but are not on the host yet; the newest came out of row `in_flight_row` of the
+    last dispatched step (a slot, or max_slots + its prefill row).
     """
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int,
@@ -82,6 +87,8 @@ class Request:
         self.logprobs: list[float] | None = [] if wants_logprobs else None  # per generated token
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if wants_logprobs else None
         self.num_computed = 0
+        self.num_in_flight = 0
+        self.in_flight_row = -1
         self.pages: list[int] = []
         self.num_registered_pages = 0  # leading pages already entered in the prefix cache
         self.slot: int | None = None
@@ -125,7 +132,12 @@ class Request:
 
     @property
     def pending(self) -> int:
-        return self.num_tokens - self.num_computed
+        return self.num_tokens + self.num_in_flight - self.num_computed
+
+    @property
+    def last_token_in_flight(self) -> bool:
+        """Will the tokens in flight take it to max_tokens? (Then no step needs it again.)"""
+        return self.num_in_flight > 0 and len(self.generated) + self.num_in_flight >= self.params.max_tokens
 
     @property
     def finished(self) -> bool:
@@ -163,18 +175,27 @@ class Request:
         if cuts:
             self.text, self.finish_reason, self._stopped_by_string = self.text[: min(cuts)], "stop", True
 
-    def take_output(self) -> RequestOutput:
-        """The progress since the last call (text held back while a stop string may match)."""
+    def take_output(self) -> RequestOutput | None:
+        """The progress since the last call (text held back while a stop string may match),
+        shaped by `params.output_kind`; None for a "final_only" request still running."""
         done = self.finish_reason is not None
+        kind = self.params.output_kind
+        if kind == "final_only" and not done:
+            return None
         end = len(self.text) if done else max(self._emitted_text, len(self.text) - self._hold)
+        first_token = self._emitted_tokens
         delta_text, self._emitted_text = self.text[self._emitted_text : end], end
-        delta_ids, self._emitted_tokens = self.generated[self._emitted_tokens :], len(self.generated)
+        delta_ids, self._emitted_tokens = self.generated[first_token:], len(self.generated)
+        if kind == "delta":  # nothing older is copied
+            text, token_ids, since = delta_text, delta_ids, first_token
+        else:
+            text, token_ids, since = self.text[:end], list(self.generated), 0
         return RequestOutput(
-            request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=list(self.generated),
-            text=self.text[:end], delta_token_ids=delta_ids, delta_text=delta_text, finished=done,
+            request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=token_ids,
+            text=text, delta_token_ids=delta_ids, delta_text=delta_text, finished=done,
             finish_reason=self.finish_reason, metrics=self.metrics,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            logprobs=None if self.logprobs is None else self.logprobs[since:],
+            top_logprobs=None if self.top_logprobs is None else self.top_logprobs[since:],
         )
 
     def error_output(self, message: str) -> RequestOutput:

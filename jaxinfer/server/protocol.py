@@ -62,7 +62,8 @@ class _Common(BaseModel):
         base = dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                     min_p=self.min_p, max_tokens=max_tokens, stop=tuple(stop),
                     stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                    logprobs=self.num_logprobs)
+                    logprobs=self.num_logprobs,
+                    output_kind="delta" if self.stream else "cumulative")  # a stream sends only what is new
         seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**32 for i in range(self.n)]
         return [SamplingParams(seed=s, **base) for s in seeds]
 
