@@ -286,7 +286,7 @@ class Engine:
             self.scheduler.remove(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None  # (asynchronous: a step not read yet)
 
     def _encode(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
         tok = self.model.tokenizer
@@ -425,7 +425,7 @@ class Engine:
         # slots as launched: a request preempted since (asynchronous) has none now
         emitted = [(r, result.tokens[b, : n + 1].tolist(), (0, b)) for r, b, n in zip(plan.decode, launched.slots, kept)]
         emitted += [(r, [int(result.prefill[row])], (1, row)) for r, row in first_tokens]
-        emitted = [e for e in emitted if not e[0].finished]  # asynchronous: finished or aborted since
+        emitted = [e for e in emitted if self.requests.get(e[0].request_id) is e[0]]  # asynchronous: not aborted since
         drafted = {} if drafts is None else {id(r): (int(drafts.num_draft[r.slot]), n) for r, n in zip(plan.decode, kept)}
         wanted = any(r.params.logprobs is not None for r, _, _ in emitted)
         host_logprobs = self._logprobs(launched.index, result.step_logits) if wanted else None

@@ -138,6 +138,8 @@ class Scheduler:
     # ---- one iteration ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulePlan:
+        for req in [r for r in self.running if r.last_token_in_flight]:
+            self.remove(req)  # asynchronous: done once its token lands; its slot and pages serve others now
         self._admit()
         budget = self.max_tokens_per_step
         decode: list[Request] = []
@@ -146,8 +148,8 @@ class Scheduler:
         prefill_rows: dict[int, int] = {}  # id(request) -> its row: replica r's rows are block r
         rows_taken = [0] * len(self.allocators)
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.last_token_in_flight:
-                continue  # preempted while making room for an earlier request, or done once its token lands
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted while making room for an earlier request
             if req.pending == 1 and budget >= 1:
                 n = 1 + min(self._lookahead(req), budget - 1)
             elif req.pending > 1 and rows_taken[self.replica_of(req.slot)] < self.prefill_rows_per_replica and budget >= 1:
