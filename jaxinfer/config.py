@@ -9,7 +9,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v3", "gemma2", "gemma3", "gpt_oss")
 # Gemma 2/3 layers: RMS norms before and after attention and MLP, GeGLU (tanh GELU), embeddings
 # scaled by sqrt(d_model); Gemma 3 adds RMS norms over each query and key head.
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -24,6 +24,53 @@ class Llama3RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN RoPE scaling (HF `rope_type="yarn"`, gpt-oss): frequencies between the `beta_fast`
+    and `beta_slow` rotation counts over `original_max_position` are blended from the base
+    ones and the ones slowed by `factor`, and attention logits grow by `attention_factor`
+    squared (HF multiplies cos and sin, so both q and k, by it)."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1 (HF `yarn_get_mscale`)
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0 or not self.original_max_position > 0:
+            raise ValueError(f"YarnRopeScaling needs factor > 0 and original_max_position > 0, got {self}")
+
+    @property
+    def mscale(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP (gpt-oss): each token's `n_experts` router logits pick
+    its `experts_per_token` experts, weighted by a softmax over the chosen logits; each expert
+    is a clamped SwiGLU of width `expert_dim` with biases: `(clip(up, -limit, limit) + 1) *
+    g * sigmoid(alpha * g)`, g = min(gate, limit)."""
+
+    n_experts: int
+    experts_per_token: int
+    expert_dim: int
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        for name in ("n_experts", "experts_per_token", "expert_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MoEConfig.{name}={value!r} must be a positive integer")
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(f"MoEConfig.experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +135,7 @@ class ModelConfig:
     head_dim: int
     ffn_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None = None
     rms_eps: float = 1e-5
     max_position: int = 2048
     tie_embeddings: bool = False
@@ -103,6 +150,8 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     attn_sinks: bool = False
+    attn_out_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    moe: MoEConfig | None = None  # the MLP is a mixture of experts (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -148,9 +197,10 @@ class ModelConfig:
                 f"with MLA, n_kv_heads={self.n_kv_heads} must equal n_heads={self.n_heads} and "
                 f"head_dim={self.head_dim} must equal qk_nope_dim + qk_rope_dim = {self.mla.qk_head_dim}"
             )
-        if self.layer_windows or self.attn_bias or self.is_gemma or self.attn_sinks or self.attn_softcap:
-            raise ValueError("MLA layers with sliding windows, attention biases, sinks, soft-caps or Gemma "
-                             "norms are not supported")
+        if (self.layer_windows or self.attn_bias or self.is_gemma or self.attn_sinks or self.attn_softcap
+                or self.attn_out_bias or self.moe):
+            raise ValueError("MLA layers with sliding windows, attention biases, sinks, soft-caps, Gemma "
+                             "norms or experts are not supported")
 
     def window(self, layer: int) -> int | None:
         """Sliding-window size of layer `layer` (None: the layer sees its whole context)."""
@@ -158,8 +208,9 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """Factor on q . k before the softmax."""
-        return 1.0 / math.sqrt(self.head_dim) if self.query_scale is None else self.query_scale
+        """Factor on q . k before the softmax (times YaRN's attention factor on q and on k)."""
+        scale = 1.0 / math.sqrt(self.head_dim) if self.query_scale is None else self.query_scale
+        return scale * self.rope_scaling.mscale**2 if isinstance(self.rope_scaling, YarnRopeScaling) else scale
 
     @property
     def is_gemma(self) -> bool:
@@ -195,9 +246,12 @@ class ModelConfig:
     def from_json(cls, text: str) -> ModelConfig:
         fields = json.loads(text)
         if fields.get("rope_scaling") is not None:
-            fields["rope_scaling"] = Llama3RopeScaling(**fields["rope_scaling"])
+            scaling = fields["rope_scaling"]
+            fields["rope_scaling"] = (YarnRopeScaling if "beta_fast" in scaling else Llama3RopeScaling)(**scaling)
         fields["eos_ids"] = tuple(fields.get("eos_ids", ()))
         fields["layer_windows"] = tuple(fields.get("layer_windows", ()))
         if fields.get("mla") is not None:
             fields["mla"] = MLAConfig(**fields["mla"])
+        if fields.get("moe") is not None:
+            fields["moe"] = MoEConfig(**fields["moe"])
         return cls(**fields)

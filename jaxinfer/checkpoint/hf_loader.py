@@ -21,7 +21,8 @@ import numpy as np
 import safetensors
 
 from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
-from jaxinfer.config import GEMMA_ARCHITECTURES, SUPPORTED_DTYPES, Llama3RopeScaling, MLAConfig, ModelConfig
+from jaxinfer.config import (GEMMA_ARCHITECTURES, SUPPORTED_DTYPES, Llama3RopeScaling, MLAConfig, ModelConfig, MoEConfig,
+                             YarnRopeScaling)
 from jaxinfer.model.params import ModelParams, build_params
 
 # HF `architectures[0]` -> our `ModelConfig.arch`.
@@ -32,6 +33,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -66,6 +68,17 @@ _GEMMA_LAYER_TENSORS = _LAYER_TENSORS | {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+# gpt-oss: biases on every attention projection, learned sinks, a mixture of experts
+_GPT_OSS_LAYER_TENSORS = _LAYER_TENSORS | {
+    "bo": "self_attn.o_proj.bias",
+    "sinks": "self_attn.sinks",
+    "moe_router": "mlp.router.weight",
+    "moe_router_bias": "mlp.router.bias",
+    "moe_gate_up": "mlp.experts.gate_up_proj",
+    "moe_gate_up_bias": "mlp.experts.gate_up_proj_bias",
+    "moe_down": "mlp.experts.down_proj",
+    "moe_down_bias": "mlp.experts.down_proj_bias",
+}
 _GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 
@@ -84,7 +97,8 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
     Qwen2ForCausalLM (with `layer_types` / `use_sliding_window`), DeepseekV3ForCausalLM
     with dense MLP layers only (`first_k_dense_replace >= num_hidden_layers`), and
     Gemma2ForCausalLM / Gemma3ForCausalLM (text; their `(1 + w)` norm weights are stored
-    as `1 + w`, see `ModelConfig`). Raises
+    as `1 + w`, see `ModelConfig`), and GptOssForCausalLM with dequantized weights (attention
+    biases and sinks, a mixture of experts, YaRN RoPE; not the MXFP4 release files). Raises
     `CheckpointError` naming the file and the field or tensor for anything it cannot load.
     """
     if dtype not in SUPPORTED_DTYPES:
@@ -137,7 +151,7 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
     n_heads = int(field("num_attention_heads"))
     rope, local_theta = _rope_dict(hf, arch, file)
     mla = _mla_config(hf, file) if arch == "deepseek_v3" else None
-    gemma = arch in GEMMA_ARCHITECTURES
+    gemma, gpt_oss = arch in GEMMA_ARCHITECTURES, arch == "gpt_oss"
     with as_checkpoint_error(file):
         return ModelConfig(
             arch=arch,
@@ -149,11 +163,14 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             head_dim=mla.qk_head_dim if mla else int(hf.get("head_dim") or field("hidden_size") // n_heads),
             ffn_dim=int(field("intermediate_size")),
             rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(rope, file),
+            rope_scaling=_rope_scaling(rope, arch, file),
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position=int(field("max_position_embeddings")),
             tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
-            attn_bias=arch == "qwen2",
+            attn_bias=arch == "qwen2" or (gpt_oss and bool(hf.get("attention_bias", True))),
+            attn_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
+            attn_sinks=gpt_oss,
+            moe=_moe_config(hf, file) if gpt_oss else None,
             bos_id=hf.get("bos_token_id"),
             eos_ids=_as_ids(hf.get("eos_token_id")),
             layer_windows=_layer_windows(hf, arch, int(field("num_hidden_layers")), file),
@@ -164,6 +181,18 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             attn_softcap=None if arch == "gemma3" else _optional_float(hf, "attn_logit_softcapping"),
             final_softcap=_optional_float(hf, "final_logit_softcapping"),
         )
+
+
+def _moe_config(hf: dict[str, Any], file: Path) -> MoEConfig:
+    def field(key: str) -> Any:
+        if hf.get(key) is None:
+            raise CheckpointError(f"{file}: missing config field {key!r}")
+        return hf[key]
+
+    with as_checkpoint_error(file):
+        return MoEConfig(n_experts=int(field("num_local_experts")), experts_per_token=int(field("num_experts_per_tok")),
+                         expert_dim=int(field("intermediate_size")), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                         swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
 
 
 def _optional_float(hf: dict[str, Any], key: str) -> float | None:
@@ -233,8 +262,12 @@ def _reject_unsupported(hf: dict[str, Any], arch: str, file: Path) -> None:
     elif hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{file}: unsupported config field hidden_act={hf['hidden_act']!r} (need 'silu')")
     for key in ("attention_bias", "mlp_bias"):  # Llama's switches; they also add o_proj/down biases
-        if arch != "qwen2" and hf.get(key):
+        if arch not in ("qwen2", "gpt_oss") and hf.get(key):
             raise CheckpointError(f"{file}: unsupported config field {key}=true")
+    if hf.get("quantization_config") is not None:  # gpt-oss releases: MXFP4 experts
+        method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
+        raise CheckpointError(f"{file}: quantized checkpoints (quantization_config quant_method={method!r}) are not "
+                              "supported; give one with dequantized (bf16/f32) weights")
 
 
 def _rope_dict(hf: dict[str, Any], arch: str, file: Path) -> tuple[dict[str, Any], float | None]:
@@ -255,10 +288,20 @@ def _rope_dict(hf: dict[str, Any], arch: str, file: Path) -> tuple[dict[str, Any
     return rope["full_attention"], float(local.get("rope_theta", 10000.0))
 
 
-def _rope_scaling(rope: dict[str, Any], file: Path) -> Llama3RopeScaling | None:
+def _rope_scaling(rope: dict[str, Any], arch: str, file: Path) -> Llama3RopeScaling | YarnRopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return None
+    if rope_type == "yarn" and arch == "gpt_oss":  # (DeepSeek's YaRN also rescales the softmax: not supported)
+        if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise CheckpointError(f"{file}: unsupported YaRN fields in {rope!r} (mscale / partial_rotary_factor)")
+        for key in ("factor", "original_max_position_embeddings"):
+            if rope.get(key) is None:
+                raise CheckpointError(f"{file}: yarn RoPE scaling is missing config field {key!r}")
+        return YarnRopeScaling(factor=float(rope["factor"]), original_max_position=int(rope["original_max_position_embeddings"]),
+                               beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                               truncate=bool(rope.get("truncate", True)),
+                               attention_factor=None if rope.get("attention_factor") is None else float(rope["attention_factor"]))
     if rope_type != "llama3":
         raise CheckpointError(f"{file}: unsupported RoPE scaling rope_type={rope_type!r}")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -326,4 +369,5 @@ def _hf_tensor_name(config: ModelConfig, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     _, layer, field = name.split(".")
-    return f"model.layers.{layer}.{(_GEMMA_LAYER_TENSORS if config.is_gemma else _LAYER_TENSORS)[field]}"
+    table = _GEMMA_LAYER_TENSORS if config.is_gemma else _GPT_OSS_LAYER_TENSORS if config.arch == "gpt_oss" else _LAYER_TENSORS
+    return f"model.layers.{layer}.{table[field]}"

@@ -26,9 +26,9 @@ class LayerParams:
     wv: jax.Array  # [n_kv_heads * head_dim, d_model]
     wo: jax.Array  # [d_model, n_heads * head_dim]
     mlp_norm: jax.Array  # [d_model]
-    w_gate: jax.Array  # [ffn_dim, d_model]
-    w_up: jax.Array  # [ffn_dim, d_model]
-    w_down: jax.Array  # [d_model, ffn_dim]
+    w_gate: jax.Array | None = None  # [ffn_dim, d_model]     (None: experts, `moe_*`)
+    w_up: jax.Array | None = None  # [ffn_dim, d_model]
+    w_down: jax.Array | None = None  # [d_model, ffn_dim]
     bq: jax.Array | None = None  # [n_heads * head_dim]     (Qwen2 only)
     bk: jax.Array | None = None  # [n_kv_heads * head_dim]  (Qwen2 only)
     bv: jax.Array | None = None  # [n_kv_heads * head_dim]  (Qwen2 only)
@@ -37,6 +37,16 @@ class LayerParams:
     post_attn_norm: jax.Array | None = None  # [d_model]: on the attention output (Gemma 2/3)
     post_mlp_norm: jax.Array | None = None  # [d_model]: on the MLP output (Gemma 2/3)
     sinks: jax.Array | None = None  # [n_heads]: learned sink logit per query head (gpt-oss)
+    bo: jax.Array | None = None  # [d_model]: attention output bias (gpt-oss)
+    # A mixture of experts instead of w_gate/w_up/w_down (gpt-oss, `ModelConfig.moe`): E experts
+    # of width I; expert weights are stored [in, out] as gpt-oss checkpoints hold them, and each
+    # expert's gate and up columns alternate (gate 0, up 0, gate 1, ...).
+    moe_router: jax.Array | None = None  # [E, d_model]
+    moe_router_bias: jax.Array | None = None  # [E]
+    moe_gate_up: jax.Array | None = None  # [E, d_model, 2 * I]
+    moe_gate_up_bias: jax.Array | None = None  # [E, 2 * I]
+    moe_down: jax.Array | None = None  # [E, I, d_model]
+    moe_down_bias: jax.Array | None = None  # [E, d_model]
 
 
 @struct.dataclass
@@ -88,10 +98,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "wv": (c.n_kv_heads * c.head_dim, c.d_model),
         "wo": (c.d_model, c.n_heads * c.head_dim),
         "mlp_norm": (c.d_model,),
-        "w_gate": (c.ffn_dim, c.d_model),
-        "w_up": (c.ffn_dim, c.d_model),
-        "w_down": (c.d_model, c.ffn_dim),
     }
+    if c.moe is None:
+        shapes |= {"w_gate": (c.ffn_dim, c.d_model), "w_up": (c.ffn_dim, c.d_model), "w_down": (c.d_model, c.ffn_dim)}
+    else:
+        e, i = c.moe.n_experts, c.moe.expert_dim
+        shapes |= {"moe_router": (e, c.d_model), "moe_router_bias": (e,), "moe_gate_up": (e, c.d_model, 2 * i),
+                   "moe_gate_up_bias": (e, 2 * i), "moe_down": (e, i, c.d_model), "moe_down_bias": (e, c.d_model)}
+    if c.attn_out_bias:
+        shapes |= {"bo": (c.d_model,)}
     if c.attn_bias:
         shapes |= {
             "bq": (c.n_heads * c.head_dim,),

@@ -32,6 +32,7 @@ from jaxinfer.kv.window_ring import ring_indices
 from jaxinfer.layer_stack import LayerStack, run_lengths
 from jaxinfer.model.layers import geglu_mlp, linear, rms_norm, swiglu_mlp
 from jaxinfer.model.mla import mla_attention
+from jaxinfer.model.moe import moe_mlp
 from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams
 
 
@@ -100,7 +101,7 @@ def attention_block(
         vs = [jnp.repeat(v, copies, axis=2) for v in vs]
     if streaming is not None:
         outs, layer_kv = _streaming_attention(c, window, streaming, qs, ks, vs, idxs, inv_freq, layer_kv, attention_impl)
-        return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), layer_kv
+        return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo, layer.bo), layer_kv
     qs = [apply_rope(q, g.positions, inv_freq) for q, g in zip(qs, groups)]
     ks = [apply_rope(k, g.positions, inv_freq) for k, g in zip(ks, groups)]
 
@@ -114,7 +115,7 @@ def attention_block(
                                                   attend, max_slots)
     else:  # one device, or a format GSPMD partitions by itself
         outs, layer_kv = write_and_attend(layer_kv, qs, ks, vs, idxs, attend)
-    return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo), layer_kv
+    return linear(_flat(outs).reshape(x.shape[0], -1), layer.wo, layer.bo), layer_kv
 
 
 def _streaming_attention(c: ModelConfig, window: int | None, streaming: StreamingSpec, qs, ks, vs, idxs, inv_freq,
@@ -196,7 +197,8 @@ def forward_hidden(
                                       layer_idxs, inv_freq[window], window=window, streaming=kv.streaming,
                                       max_slots=kv.max_slots, attention_impl=attention_impl, mesh=mesh)
         x = x + post_norm(h, getattr(layer, "post_attn_norm", None))
-        h = mlp(rms_norm(x, layer.mlp_norm, config.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
+        xn = rms_norm(x, layer.mlp_norm, config.rms_eps)
+        h = mlp(xn, layer.w_gate, layer.w_up, layer.w_down) if config.moe is None else moe_mlp(xn, layer, config.moe)
         return x + post_norm(h, getattr(layer, "post_mlp_norm", None)), layer_kv
 
     caches = []
