@@ -477,3 +477,16 @@ def test_async_scheduling_server_equals_synchronous(model):
         assert s.metric("jaxinfer_kv_pages_used") == 0
     finally:
         s.stop()
+
+
+def test_completion_echo_prepends_the_prompt(srv, client, model):
+    prompt = "The quick brown fox"
+    want = engine_text(model, model.tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    kw = dict(model=NAME, max_tokens=8, temperature=0, echo=True, extra_body={"ignore_eos": True})
+    assert client.completions.create(prompt=prompt, **kw).choices[0].text == prompt + want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **kw) if c.choices)
+    assert streamed == prompt + want
+    ids = model.tokenizer.encode(prompt)
+    assert client.completions.create(prompt=ids, **kw).choices[0].text == model.tokenizer.decode(ids) + want
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": prompt, "echo": True, "logprobs": 2}, timeout=T)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"

@@ -99,8 +99,9 @@ class OpenAIServer:
             raise ErrorBody(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if body.num_logprobs is not None:
             self._tokenizer("logprobs")  # token strings need it
-        if getattr(body, "echo", False):
-            raise ErrorBody(400, "echo is not supported by this server", param="echo")
+        if getattr(body, "echo", False) and body.num_logprobs is not None:
+            raise ErrorBody(400, "echo with logprobs is not supported by this server (the prompt's logprobs are "
+                                 "not computed); use echo or logprobs", param="echo")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(body, name):
                 raise ErrorBody(400, f"{name} is not supported by this server (only 0)", param=name)
@@ -192,6 +193,9 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
         return d
 
     wants_logprobs = body.num_logprobs is not None
+    # echo: each choice's text starts with the prompt (its text as sent, or the ids decoded)
+    echoed = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else (
+        body.prompt[0] if isinstance(body.prompt[0], str) else server.tokenizer.decode(ids) if server.tokenizer else "")
 
     def logprobs(out, offset=0, new_only=True):
         if not wants_logprobs:
@@ -201,6 +205,9 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
     if body.stream:
         async def stream():
             generated, offsets = 0, [0] * len(rids)
+            if echoed:
+                for i in range(len(rids)):
+                    yield _sse(chunk([{"index": i, "text": echoed, "logprobs": None, "finish_reason": None}]))
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
                 if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
@@ -213,8 +220,8 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
     finals = await _collect(server, raw, sink, rids)
-    choices = [{"index": i, "text": o.text, "logprobs": logprobs(o, new_only=False)[0], "finish_reason": o.finish_reason}
-               for i, o in finals]
+    choices = [{"index": i, "text": echoed + o.text, "logprobs": logprobs(o, new_only=False)[0],
+                "finish_reason": o.finish_reason} for i, o in finals]
     return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
 
