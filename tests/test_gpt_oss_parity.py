@@ -108,3 +108,14 @@ def test_gpt_oss_orbax_round_trip(tmp_path):
     assert again.config == ours.config
     tokens = np.random.default_rng(2).integers(0, 211, (1, 12)).astype(np.int32)
     np.testing.assert_array_equal(all_position_logits(again, tokens), all_position_logits(ours, tokens))
+
+
+def test_gpt_oss_default_config_matches_transformers(tmp_path):
+    """transformers' own defaults (YaRN x32 over 4,096 positions, base 150k, 128-token windows)."""
+    hf = save_tiny(tmp_path, rope_parameters=None, sliding_window=128, max_position_embeddings=131072)
+    ours = load_model(tmp_path)
+    assert ours.config.rope_theta == 150000.0 and ours.config.rope_scaling.factor == 32.0
+    tokens = np.random.default_rng(3).integers(0, 211, (1, 24)).astype(np.int32)
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(all_position_logits(ours, tokens), want, atol=1e-4, rtol=0)
