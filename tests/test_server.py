@@ -29,6 +29,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.server import build_server, create_app
 from jaxinfer.tokenizer import Tokenizer
+from test_model_parity import all_position_logits
 from tiny_models import tiny_model
 
 NAME = "tiny"
@@ -488,5 +489,24 @@ def test_completion_echo_prepends_the_prompt(srv, client, model):
     assert streamed == prompt + want
     ids = model.tokenizer.encode(prompt)
     assert client.completions.create(prompt=ids, **kw).choices[0].text == model.tokenizer.decode(ids) + want
-    r = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": prompt, "echo": True, "logprobs": 2}, timeout=T)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_completion_echo_with_logprobs_scores_the_prompt(srv, client, model):
+    """echo + logprobs: the prompt's tokens come first with their teacher-forced logprobs (the
+    first has none), then the generated ones; max_tokens 0 scores the prompt alone (how
+    evaluation harnesses ask for a loglikelihood)."""
+    prompt = "The quick brown fox jumps"
+    ids = model.tokenizer.encode(prompt)
+    logits = all_position_logits(model, np.asarray([ids], np.int32))[0]  # f32[n, V]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    want = [float(logp[i, t]) for i, t in enumerate(ids[1:])]
+    kw = dict(model=NAME, prompt=prompt, temperature=0, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    full = client.completions.create(max_tokens=4, **kw).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], want, atol=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[len(ids)] == len(prompt) and full.text.startswith(prompt)
+    only = client.completions.create(max_tokens=0, **kw)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]

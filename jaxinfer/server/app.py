@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, tokens_of
+from jaxinfer.scoring import score_tokens
+from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_logprobs, tokens_of
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorBody, _Common, new_id, now,
                                       usage)
@@ -81,6 +82,15 @@ class OpenAIServer:
         except (ValueError, TypeError) as e:
             raise ErrorBody(400, f"{param}: {e}", param=param) from e
 
+    def prompt_logprobs(self, ids: list[int], top: int) -> dict:
+        """The legacy logprobs object of the prompt itself (echo): its first token has none.
+        Scored in its own forward, off the engine's thread (`jaxinfer.scoring`)."""
+        tok = self._tokenizer("logprobs")
+        lp = score_tokens(self.loop.engine.model, ids)
+        alts = [list(zip(i.tolist(), v.tolist()))[:top] for i, v in zip(lp.top_ids, lp.top_logprobs)]
+        obj, _ = completion_logprobs(tok, ids, [None] + lp.logprob.tolist(), [None] + alts)
+        return obj
+
     def _tokenizer(self, param: str):
         if self.tokenizer is None:
             raise ErrorBody(400, f"{param}: this model has no tokenizer; send token ids", param=param)
@@ -99,14 +109,16 @@ class OpenAIServer:
             raise ErrorBody(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if body.num_logprobs is not None:
             self._tokenizer("logprobs")  # token strings need it
-        if getattr(body, "echo", False) and body.num_logprobs is not None:
-            raise ErrorBody(400, "echo with logprobs is not supported by this server (the prompt's logprobs are "
-                                 "not computed); use echo or logprobs", param="echo")
+        if body.max_tokens == 0 and not getattr(body, "echo", False):
+            raise ErrorBody(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing generated)",
+                            param="max_tokens")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(body, name):
                 raise ErrorBody(400, f"{name} is not supported by this server (only 0)", param=name)
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        if body.max_tokens == 0:
+            return []  # echo only: no choice is generated
         try:
             return body.sampling_params(default_max_tokens or self.max_model_len - len(ids))
         except ValueError as e:
@@ -183,6 +195,13 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
     server.check_model(body)
     ids = server.completion_ids(body)
     params = server.params(body, ids, default_max_tokens=16)
+    wants_logprobs = body.num_logprobs is not None
+    # echo: each choice's text starts with the prompt (its text as sent, or the ids decoded)
+    echoed = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else (
+        body.prompt[0] if isinstance(body.prompt[0], str) else server.tokenizer.decode(ids) if server.tokenizer else "")
+    echo_lp = await asyncio.to_thread(server.prompt_logprobs, ids, body.num_logprobs) if body.echo and wants_logprobs else None
+    if not params:  # max_tokens 0 with echo: the prompt (and its logprobs), nothing generated
+        return _echo_only(server, body, ids, echoed, echo_lp)
     sink, rids = await server.submit(ids, params, body.salt)
     rid, created = new_id("cmpl"), now()
 
@@ -192,10 +211,6 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
             d["usage"] = use
         return d
 
-    wants_logprobs = body.num_logprobs is not None
-    # echo: each choice's text starts with the prompt (its text as sent, or the ids decoded)
-    echoed = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else (
-        body.prompt[0] if isinstance(body.prompt[0], str) else server.tokenizer.decode(ids) if server.tokenizer else "")
 
     def logprobs(out, offset=0, new_only=True):
         if not wants_logprobs:
@@ -204,10 +219,10 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
 
     if body.stream:
         async def stream():
-            generated, offsets = 0, [0] * len(rids)
-            if echoed:
+            generated, offsets = 0, [len(echoed)] * len(rids)  # the generated text's offsets follow the prompt's
+            if body.echo:
                 for i in range(len(rids)):
-                    yield _sse(chunk([{"index": i, "text": echoed, "logprobs": None, "finish_reason": None}]))
+                    yield _sse(chunk([{"index": i, "text": echoed, "logprobs": echo_lp, "finish_reason": None}]))
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
                 if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
@@ -220,10 +235,26 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
     finals = await _collect(server, raw, sink, rids)
-    choices = [{"index": i, "text": echoed + o.text, "logprobs": logprobs(o, new_only=False)[0],
-                "finish_reason": o.finish_reason} for i, o in finals]
+    choices = [{"index": i, "text": echoed + o.text, "finish_reason": o.finish_reason,
+                "logprobs": join_logprobs(echo_lp, logprobs(o, len(echoed), new_only=False)[0])} for i, o in finals]
     return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
+
+
+def _echo_only(server: OpenAIServer, body: CompletionRequest, ids: list[int], echoed: str, echo_lp: dict | None):
+    """`max_tokens: 0` with `echo`: the prompt scored, nothing generated (how evaluation
+    harnesses ask for a text's loglikelihood)."""
+    choices = [{"index": i, "text": echoed, "logprobs": echo_lp, "finish_reason": "length"} for i in range(body.n)]
+    d = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": server.model_name}
+    if not body.stream:
+        return d | {"choices": choices, "usage": usage(len(ids), 0)}
+
+    async def stream():
+        yield _sse(d | {"choices": choices} | ({"usage": None} if body.include_usage else {}))
+        if body.include_usage:
+            yield _sse(d | {"choices": [], "usage": usage(len(ids), 0)})
+        yield DONE
+    return StreamingResponse(stream(), media_type="text/event-stream")
 
 
 async def chat_completions(server: OpenAIServer, raw: Request, body: ChatCompletionRequest):

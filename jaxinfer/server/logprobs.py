@@ -25,14 +25,22 @@ def tokens_of(out: RequestOutput, new_only: bool) -> tuple[list[int], list[float
     return ids, out.logprobs[start:], out.top_logprobs[start:]
 
 
-def completion_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]],
-                        offset: int = 0) -> tuple[dict, int]:
-    """-> (the legacy object, the text offset after these tokens); `offset` is where they start."""
+def completion_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float | None],
+                        top: list[list[tuple[int, float]] | None], offset: int = 0) -> tuple[dict, int]:
+    """-> (the legacy object, the text offset after these tokens); `offset` is where they start.
+    None entries (an echoed prompt's first token) stay None."""
     texts = [tok.token_text(i) for i in ids]
     starts = list(itertools.accumulate((len(t) for t in texts), initial=offset))
-    obj = {"tokens": texts, "token_logprobs": logprobs,
-           "top_logprobs": [{tok.token_text(i): v for i, v in alts} for alts in top], "text_offset": starts[:-1]}
+    obj = {"tokens": texts, "token_logprobs": logprobs, "text_offset": starts[:-1],
+           "top_logprobs": [None if alts is None else {tok.token_text(i): v for i, v in alts} for alts in top]}
     return obj, starts[-1]
+
+
+def join_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two legacy objects as one (an echoed prompt's, then the generated text's)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:

@@ -37,7 +37,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with completions' echo (score the prompt)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = Field(0, ge=-1)  # extra; -1 also means off (vLLM's convention)
