@@ -7,8 +7,11 @@ Reference: `jaxinfer.attention.reference.mla_attention_reference(absorb=True)` w
 before its W_UV step (the caller applies W_UV to the latent output).
 
 Absorbed MLA is an MQA with one "KV head" whose key is [c ; k_rope] and whose value is c, so a
-program takes all H query heads of one sequence (padded to 16 rows, tl.dot's minimum; DeepSeek
-has 16 or 128 heads per device) and reads each latent page once for all of them::
+program takes a block of `rows` query heads of one sequence (H padded to a power of two >= 16,
+tl.dot's minimum, at most 64 as in FlashMLA: a [64, 512] f32 accumulator is what 8 warps'
+registers hold) and reads each latent page once for all of them; DeepSeek-V3 at 8-way tensor
+parallelism has 16 heads per device (one block), all 128 heads make 2 blocks that each read
+the cache::
 
     score[h, j] = scale * (q_latent[h] . c[j] + q_rope[h] . k_rope[j])   (two dots, summed)
     out[h]      = sum_j softmax_j(score[h]) c[j]                          (online softmax)
@@ -23,7 +26,7 @@ Shapes::
     lengths       i32[B]                 keys cached per sequence (this step's included)
     ->            f32[B, H, r]           attention output in latent space
 
-Grid (B, k_splits): split s of sequence b walks its share of the pages [0, cdiv(length, S)),
+Grid (B, H_pad / rows, k_splits): split s of sequence b walks its share of the pages [0, cdiv(length, S)),
 `pages_per_block` pages per step (masked gathers: keys past the length are not read), and
 writes its (m, l, acc); the wrapper merges the splits (flash-decoding, common.merge_partials).
 """
@@ -39,13 +42,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_tiles
 from pallas_kernels.common import (AttentionOptions, attend_tile, cdiv, check_mla_shapes, finalize, init_carry,
-                                   merge_partials, page_schedule, visible)
+                                   merge_partials, next_power_of_2, page_schedule, visible)
 from pallas_kernels.paged_decode_gpu import MIN_ROWS, check_triton_shapes, default_k_splits
+
+MAX_ROWS = 64  # query heads per program
+KEYS_PER_BLOCK = 64  # a [64, 512] bf16 latent tile per step (the paged kernels' 128 keys: 128 KiB of shared memory)
 
 
 def _kernel(lengths_ref, bt_ref, q_latent_ref, q_rope_ref, c_ref, rope_ref, acc_ref, m_ref, l_ref, *,
             page_size: int, pages_per_block: int, max_pages: int, steps_per_split: int, scale: float):
-    b, split = pl.program_id(0), pl.program_id(1)
+    b, split = pl.program_id(0), pl.program_id(2)
     length = lengths_ref[b]
     count = page_schedule(length, length - 1, length - 1, page_size, AttentionOptions()).count
     start = split * steps_per_split
@@ -85,48 +91,49 @@ def mla_decode_gpu(
     pages_per_block: int | None = None,
     k_splits: int | None = None,
     interpret: bool = False,
-    num_warps: int = 4,
+    num_warps: int = 8,
     num_stages: int = 2,
 ) -> jax.Array:
     """Absorbed MLA decode through block tables -> f32[B, H, r] (see the module docstring)."""
     check_mla_shapes(q_latent, q_rope, c_kv, k_rope, block_tables, lengths)
     b, h, r = q_latent.shape
     dr, page_size, max_pages = q_rope.shape[-1], c_kv.shape[1], block_tables.shape[1]
-    ppb = pages_per_block or gpu_tiles.default_pages_per_block(page_size, max_pages)
-    splits = k_splits or default_k_splits(b, cdiv(max_pages, ppb))
+    ppb = pages_per_block or max(1, KEYS_PER_BLOCK // page_size)  # a power of two: pages past the walk are masked
+    rows = min(MAX_ROWS, max(MIN_ROWS, next_power_of_2(h)))
+    blocks = cdiv(h, rows)
+    splits = k_splits or default_k_splits(b * blocks, cdiv(max_pages, ppb))
     if not interpret:
         check_mla_triton_shapes(page_size, r, dr, ppb)
     steps_per_split = cdiv(cdiv(max_pages, splits), ppb) * ppb
-    rows = max(MIN_ROWS, h)
-    pad = ((0, 0), (0, rows - h), (0, 0))
+    pad = ((0, 0), (0, blocks * rows - h), (0, 0))
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=ppb, max_pages=max_pages,
                                steps_per_split=steps_per_split, scale=scale)
     acc, m, l = pl.pallas_call(
         kernel,
-        grid=(b, splits),
+        grid=(b, blocks, splits),
         in_specs=[
             gpu_tiles.whole(lengths),
-            pl.BlockSpec((None, max_pages), lambda b_, s: (b_, 0)),
-            pl.BlockSpec((None, rows, r), lambda b_, s: (b_, 0, 0)),
-            pl.BlockSpec((None, rows, dr), lambda b_, s: (b_, 0, 0)),
+            pl.BlockSpec((None, max_pages), lambda b_, hb, s: (b_, 0)),
+            pl.BlockSpec((None, rows, r), lambda b_, hb, s: (b_, hb, 0)),
+            pl.BlockSpec((None, rows, dr), lambda b_, hb, s: (b_, hb, 0)),
             gpu_tiles.whole(c_kv), gpu_tiles.whole(k_rope),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, rows, r), lambda b_, s: (s, b_, 0, 0)),
-            pl.BlockSpec((None, None, rows), lambda b_, s: (s, b_, 0)),
-            pl.BlockSpec((None, None, rows), lambda b_, s: (s, b_, 0)),
+            pl.BlockSpec((None, None, rows, r), lambda b_, hb, s: (s, b_, hb, 0)),
+            pl.BlockSpec((None, None, rows), lambda b_, hb, s: (s, b_, hb)),
+            pl.BlockSpec((None, None, rows), lambda b_, hb, s: (s, b_, hb)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((splits, b, rows, r), jnp.float32),
-            jax.ShapeDtypeStruct((splits, b, rows), jnp.float32),
-            jax.ShapeDtypeStruct((splits, b, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, blocks * rows, r), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, blocks * rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, blocks * rows), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_decode_gpu",
     )(lengths.astype(jnp.int32), block_tables.astype(jnp.int32), jnp.pad(q_latent, pad), jnp.pad(q_rope, pad),
       c_kv, k_rope)
-    m, l, acc = merge_partials(m[..., None], l[..., None], acc)  # [B, rows, ...]
+    m, l, acc = merge_partials(m[..., None], l[..., None], acc)  # [B, blocks * rows, ...]
     return finalize(m, l, acc)[:, :h]
 
 

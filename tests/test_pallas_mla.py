@@ -64,7 +64,9 @@ def test_mla_decode_edge_lengths(kernel, shape, lengths):
 
 
 def test_mla_decode_blocks_and_splits():
-    """TPU blocks of 3 pages (the last ends past the walk: re-named slots, masked) and GPU
-    split-K over 3 splits of 1-page blocks (the merge of partial softmaxes)."""
+    """TPU blocks of 3 pages (the last ends past the walk: re-named slots, masked); GPU split-K
+    over 3 splits of 1-page blocks (the merge of partial softmaxes), and 80 heads: two blocks
+    of 64 rows, the second half padding."""
     _check(mla_decode_tpu, [13, 2, 9], TOY, pages_per_block=3)
     _check(mla_decode_gpu, [13, 2, 9], TOY, pages_per_block=1, k_splits=3)
+    _check(mla_decode_gpu, [13, 2, 9], {**TOY, "heads": 80})

@@ -207,13 +207,12 @@ def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpre
 def mla_unsupported_reason(latent: LatentKV, target: str, interpret: bool) -> str | None:
     """Why the `target` MLA kernel cannot take this latent cache (None: it can)."""
     if target == "gpu" and not interpret:
-        from pallas_kernels.gpu_tiles import default_pages_per_block
-        from pallas_kernels.mla_decode_gpu import check_mla_triton_shapes
+        from pallas_kernels.mla_decode_gpu import KEYS_PER_BLOCK, check_mla_triton_shapes
 
         page_size = latent.c_kv.shape[-2]
         try:
             check_mla_triton_shapes(page_size, latent.c_kv.shape[-1], latent.k_rope.shape[-1],
-                                    default_pages_per_block(page_size, 1))
+                                    max(1, KEYS_PER_BLOCK // page_size))
         except ValueError as err:
             return str(err)
     return None
