@@ -1,22 +1,17 @@
 """MLA latent decode kernels (GPU-style and TPU-style) in interpret mode against jaxinfer's reference.
 
-The latent cache comes from pallas_cases.make_case with one "KV head" of width r + dr: its
-keys split into the latent c_kv [P, S, r] and the RoPE key [P, S, dr], so the cases carry
-make_case's permuted block tables and its NaN in every token no sequence may read (pages of
-no sequence, positions at or past a length). The reference is `mla_attention_reference`
-(absorbed) with W_UK = W_UV = identity, which makes its output the kernels' latent output.
+pallas_cases.make_mla_case: make_case's permuted block tables and its NaN in every token no
+sequence may read (pages of no sequence, positions at or past a length); the reference is
+`mla_attention_reference` (absorbed) with W_UK = W_UV = identity (pallas_cases.mla_reference),
+whose output is then the kernels' latent output.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_cases import make_case
-from jaxinfer.attention.reference import mla_attention_reference
-from jaxinfer.kv.latent import LatentKV
+from pallas_cases import make_mla_case, mla_reference
 from pallas_kernels.mla_decode_gpu import mla_decode_gpu
 from pallas_kernels.mla_decode_tpu import mla_decode_tpu
 
@@ -26,33 +21,12 @@ TOY = dict(heads=4, rank=16, rope_dim=8, page=4, max_pages=4)
 DEEPSEEK = dict(heads=16, rank=512, rope_dim=64, page=16, max_pages=3)  # DeepSeek-V3's r, dr; 16 heads per device
 
 
-def _case(lengths, heads: int, rank: int, rope_dim: int, page: int, max_pages: int, seed: int = 0):
-    """-> (q_latent f32[B, H, r], q_rope f32[B, H, dr], LatentKV, block tables, lengths, scale)."""
-    case = make_case("dense", "float32", lengths, heads=(1, 1), head_dim=rank + rope_dim, page=page,
-                     max_pages=max_pages, seed=seed)
-    keys = case.layer.k[:, :, 0]  # [P, S, r + dr], NaN where no sequence may read
-    latent = LatentKV(c_kv=keys[..., :rank], k_rope=keys[..., rank:])
-    rng = np.random.default_rng(seed + 1)
-    q = jnp.asarray(rng.normal(size=(len(lengths), heads, rank + rope_dim)), jnp.float32)
-    return q[..., :rank], q[..., rank:], latent, case.block_tables, case.lengths, (rank + rope_dim) ** -0.5
-
-
-@jax.jit
-def _reference(q_latent, q_rope, latent, block_tables, lengths, scale):
-    """The absorbed reference at T = 1 with identity W_UK, W_UV -> f32[B, H, r]."""
-    h, r = q_latent.shape[1:]
-    eye = jnp.broadcast_to(jnp.eye(r, dtype=jnp.float32), (h, r, r))
-    out = mla_attention_reference(q_latent[:, None], q_rope[:, None], latent, eye, eye, block_tables, lengths,
-                                  (lengths - 1)[:, None], scale, absorb=True)
-    return out[:, 0]
-
-
 def _check(kernel, lengths, shape, **kw):
-    q_latent, q_rope, latent, block_tables, lengths, scale = _case(lengths, **shape)
+    q_latent, q_rope, latent, block_tables, lengths, scale = make_mla_case(lengths, **shape)
     out = kernel(q_latent, q_rope, latent.c_kv, latent.k_rope, block_tables, lengths, scale=scale, interpret=True,
                  **kw)
     assert np.isfinite(np.asarray(out)).all(), "NaN leaked from a page the sequence does not own"
-    want = _reference(q_latent, q_rope, latent, block_tables, lengths, scale)
+    want = mla_reference(q_latent, q_rope, latent, block_tables, lengths, scale)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOLERANCE)
 
 
