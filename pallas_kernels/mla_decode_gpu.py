@@ -29,6 +29,8 @@ Shapes::
 Grid (B, H_pad / rows, k_splits): split s of sequence b walks its share of the pages [0, cdiv(length, S)),
 `pages_per_block` pages per step (masked gathers: keys past the length are not read), and
 writes its (m, l, acc); the wrapper merges the splits (flash-decoding, common.merge_partials).
+Splits aim at 256 programs but keep the f32 partials under a tenth of the cache bytes
+(`default_mla_splits`: a latent accumulator is 512 wide).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def mla_decode_gpu(
     ppb = pages_per_block or max(1, KEYS_PER_BLOCK // page_size)  # a power of two: pages past the walk are masked
     rows = min(MAX_ROWS, max(MIN_ROWS, next_power_of_2(h)))
     blocks = cdiv(h, rows)
-    splits = k_splits or default_k_splits(b * blocks, cdiv(max_pages, ppb))
+    token_bytes = (r + dr) * c_kv.dtype.itemsize
+    splits = k_splits or default_mla_splits(b * blocks, max_pages, ppb, page_size, rows, r, token_bytes)
     if not interpret:
         check_mla_triton_shapes(page_size, r, dr, ppb)
     steps_per_split = cdiv(cdiv(max_pages, splits), ppb) * ppb
@@ -135,6 +138,16 @@ def mla_decode_gpu(
       c_kv, k_rope)
     m, l, acc = merge_partials(m[..., None], l[..., None], acc)  # [B, blocks * rows, ...]
     return finalize(m, l, acc)[:, :h]
+
+
+def default_mla_splits(programs: int, max_pages: int, pages_per_block: int, page_size: int, rows: int, rank: int,
+                       token_bytes: int) -> int:
+    """Split-K (flash-decoding) splits: toward 256 programs, but with the f32 partials (rows x r,
+    written and read back) at most a tenth of a full sequence's latent cache: a [64, 512] split
+    costs 256 KiB, a fifth of a 1k-token sequence."""
+    cache = max_pages * page_size * token_bytes
+    partials = 2 * rows * (rank + 2) * 4
+    return max(1, min(default_k_splits(programs, cdiv(max_pages, pages_per_block)), cache // (10 * partials)))
 
 
 def check_mla_triton_shapes(page_size: int, kv_lora_rank: int, rope_dim: int, pages_per_block: int) -> None:
