@@ -10,7 +10,7 @@ DeepSeek-like shapes (r 512 + RoPE 64, 16 and 128 heads, pages 16 and 64, batch 
 all, BENCHMARKS.md). Each export runs the kernel's whole Python-side lowering (block shapes,
 index maps, casts); the fp8 x CUDA rows failed here ("cannot cast ... to f8E4M3FN": a masked
 load's int fill) until gpu_tiles.masked_gather filled with the ref's own dtype. About 60 s of
-CPU for the 96 exports.
+CPU for the 105 exports.
 """
 
 from __future__ import annotations
