@@ -120,6 +120,7 @@ def mla_attention(
         if reason is None:
             decode = _kernel(target, "mla_decode")
             latent = own_layer(latent)  # the kernel reads the layer's own pool: a view pays a copy
+            # decode: each row's query sits at kv_lengths - 1 (query_index), as the kernels assume
             out_latent = decode(absorb_query(q_nope, w_uk)[:, 0], q_rope[:, 0], latent.c_kv, latent.k_rope,
                                 block_tables, kv_lengths, scale=scale, interpret=interpret)  # f32[B, H, r]
             return expand_latent_output(out_latent[:, None], w_uv, q_nope.dtype)
