@@ -11,6 +11,9 @@
    pages wholly behind the window (options rows) and in other slots' KIVI tails
    (tests/pallas_cases.py builds the inputs). A row passes when the output is finite and
    within atol = rtol = 2**-5 of the reference (bf16 outputs; summation order differs).
+   Then the MLA latent decode kernel (bf16 latent cache, its only format) at kv_lora_rank 512
+   + RoPE 64 with 16 and 128 heads, page 16, the decode lengths above, NaN wherever no
+   sequence may read, against the absorbed reference's latent output.
 2. `benchmarks/kernels_gpu.py --skip-checks` (decode bandwidth per format against device copy
    and XLA; on a TPU the same measurement with the TPU kernel).
 
@@ -42,13 +45,16 @@ DECODE_LENGTHS = [0, 1, PAGE, PAGE + 1, 129, 256]
 PREFILL_LENGTHS, CHUNK = [5, PAGE, PAGE + 1, 130, 256], 5
 OPTIONS = dict(window=40, num_sinks=4, soft_cap=30.0)
 TOLERANCE = 2.0**-5
+MLA_HEADS, MLA_RANK, MLA_ROPE_DIM = (16, 128), 512, 64
 
 
 def plan(smoke: bool) -> list[tuple[str, str, tuple[int, int], bool]]:
     """(kernel, format, heads, with options) rows the check runs."""
     if smoke:
-        return [("decode", "int4", (8, 1), True), ("prefill", "fp8_e4m3", (8, 1), True)]
-    return [(k, f, h, o) for k in ("decode", "prefill") for f in FORMATS for h in HEADS for o in (False, True)]
+        return [("decode", "int4", (8, 1), True), ("prefill", "fp8_e4m3", (8, 1), True),
+                ("mla_decode", "dense", (16, 1), False)]
+    paged = [(k, f, h, o) for k in ("decode", "prefill") for f in FORMATS for h in HEADS for o in (False, True)]
+    return paged + [("mla_decode", "dense", (h, 1), False) for h in MLA_HEADS]
 
 
 def behind_window(lengths, t: int) -> list[tuple[int, int]]:
@@ -68,6 +74,8 @@ def check(kernel: str, fmt: str, heads, with_options: bool, target: str, interpr
     from pallas_kernels.formats import from_layer_kv
     from pallas_kernels.lowering import kernel_function
 
+    if kernel == "mla_decode":
+        return check_mla(heads[0], target, interpret)
     t = 1 if kernel == "decode" else CHUNK
     lengths = DECODE_LENGTHS if kernel == "decode" else PREFILL_LENGTHS
     poison = behind_window(lengths, t) if with_options else []
@@ -80,7 +88,23 @@ def check(kernel: str, fmt: str, heads, with_options: bool, target: str, interpr
     out = fn(q, from_layer_kv(case.layer), case.block_tables, case.lengths, query_pos, sinks, case.slots,
              scale=case.scale, opts=AttentionOptions(**options), interpret=interpret)
     out = np.asarray(out.astype(jnp.float32)).reshape(case.q.shape)
-    ref = np.asarray(reference(case, sink_logits=sinks, **options).astype(jnp.float32))
+    return compare(out, np.asarray(reference(case, sink_logits=sinks, **options).astype(jnp.float32)))
+
+
+def check_mla(heads: int, target: str, interpret: bool) -> dict:
+    """One MLA row: the latent decode kernel on the device vs the absorbed reference."""
+    from pallas_cases import make_mla_case, mla_reference
+    from pallas_kernels.lowering import kernel_function
+
+    q_latent, q_rope, latent, block_tables, lengths, scale = make_mla_case(
+        DECODE_LENGTHS, heads, MLA_RANK, MLA_ROPE_DIM, PAGE, MAX_PAGES, dtype="bfloat16")
+    fn = kernel_function("mla_decode", "tpu" if target == "tpu" else "cuda")
+    out = fn(q_latent, q_rope, latent.c_kv, latent.k_rope, block_tables, lengths, scale=scale, interpret=interpret)
+    return compare(np.asarray(out), np.asarray(mla_reference(q_latent, q_rope, latent, block_tables, lengths, scale)))
+
+
+def compare(out: np.ndarray, ref: np.ndarray) -> dict:
+    """f32 kernel output vs reference -> dict(max_abs_err, ok): finite and within TOLERANCE."""
     err = float(np.max(np.abs(out - ref))) if np.isfinite(out).all() else float("nan")
     ok = bool(np.isfinite(out).all() and np.all(np.abs(out - ref) <= TOLERANCE + TOLERANCE * np.abs(ref)))
     return dict(max_abs_err=err, ok=ok)
@@ -99,7 +123,8 @@ def main(argv=None) -> int:
         print(f"  {len(rows)} correctness checks, compiled kernels vs the jnp reference: decode and chunked prefill x "
               f"{', '.join(FORMATS)} x (plain; window + sinks + sink logits + soft-cap) x heads "
               f"{' and '.join(f'{a}/{b}' for a, b in HEADS)}, head_dim {HEAD_DIM}, page {PAGE}, lengths "
-              f"{DECODE_LENGTHS}, NaN-poisoned foreign pages")
+              f"{DECODE_LENGTHS}, NaN-poisoned foreign pages; MLA latent decode (r {MLA_RANK} + RoPE "
+              f"{MLA_ROPE_DIM}, heads {' and '.join(map(str, MLA_HEADS))})")
         print("  then benchmarks/kernels_gpu.py --skip-checks (decode bandwidth per format vs copy and XLA)")
         print(json.dumps(dict(device=None, checks=0, failures=0, seconds=0.0)))
         return 0

@@ -1,13 +1,16 @@
 """Pallas kernels for paged and quantized attention (GPU and TPU).
 
 They depend on jax and the cache formats (`jaxinfer.kv`) only, never on the model: the model
-reaches them through `jaxinfer.attention.dispatch`, and they are tested against the one jnp
-reference, `jaxinfer.attention.reference.paged_attention_reference`.
+reaches them through `jaxinfer.attention.dispatch`, and they are tested against the jnp
+references, `jaxinfer.attention.reference.paged_attention_reference` (and
+`mla_attention_reference` for the MLA kernels).
 
     paged_decode_gpu.py     decode, any cache format          Pallas Triton lowering
     chunked_prefill_gpu.py  chunk of queries, any format      Pallas Triton lowering
     paged_decode_tpu.py     decode, any cache format          Pallas Mosaic TPU, scalar prefetch
     chunked_prefill_tpu.py  chunk of queries, any format      Pallas Mosaic TPU, scalar prefetch
+    mla_decode_gpu.py       MLA absorbed decode, latent cache Pallas Triton lowering
+    mla_decode_tpu.py       MLA absorbed decode, latent cache Pallas Mosaic TPU, scalar prefetch
     common.py               masks, page schedule, online softmax (shared math)
     formats.py              KernelPages: a cache layer as the kernels read it; in-tile dequantization
     gpu_tiles.py / tpu_tiles.py   the page walks of each target

@@ -234,3 +234,14 @@ def check_sink_logits(sink_logits, num_heads: int) -> None:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def check_mla_shapes(q_latent, q_rope, c_kv, k_rope, block_tables, lengths) -> None:
+    """Trace-time shape checks shared by the MLA decode kernels (q_latent [B, H, r], c_kv [P, S, r])."""
+    b, h, r = q_latent.shape
+    if q_rope.shape[:2] != (b, h) or c_kv.shape[-1] != r or k_rope.shape[:2] != c_kv.shape[:2] \
+            or k_rope.shape[-1] != q_rope.shape[-1]:
+        raise ValueError(f"q_latent {q_latent.shape} / q_rope {q_rope.shape} must be [B, H, r] / [B, H, dr] and "
+                         f"c_kv {c_kv.shape} / k_rope {k_rope.shape} [P, S, r] / [P, S, dr]")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(f"block_tables {block_tables.shape} / lengths {lengths.shape} must be [{b}, max_pages] / ({b},)")

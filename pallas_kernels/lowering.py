@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from pallas_kernels.common import AttentionOptions, cdiv
 from pallas_kernels.formats import KERNEL_FORMATS, KernelPages
 
-KERNELS = ("decode", "prefill")
+KERNELS = ("decode", "prefill", "mla_decode")
 TARGETS = {"tpu_v5e": ("tpu", "TPU v5e"), "tpu_v6e": ("tpu", "TPU v6e"), "cuda_sm90": ("cuda", None)}
 CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 # Production mask options (Gemma-3-like window, StreamingLLM sinks, Gemma-2 soft-cap), with sink logits.
@@ -69,6 +69,34 @@ SWEEP = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class MlaShape:
+    """Sizes of an MLA decode lowering: `heads` query heads against a latent cache of
+    kv_lora_rank `rank` + RoPE key `rope_dim` per token (DeepSeek-V3: 512 + 64, 128 heads)."""
+
+    batch: int = 8
+    heads: int = 16
+    rank: int = 512
+    rope_dim: int = 64
+    page_size: int = 16
+    context: int = 2048
+
+    @property
+    def max_pages(self) -> int:
+        return cdiv(self.context, self.page_size)
+
+    def label(self) -> str:
+        return f"b{self.batch} h{self.heads} r{self.rank}+{self.rope_dim} page{self.page_size} ctx{self.context}"
+
+
+# MLA decode (bf16 latent cache, its only format): 16 heads (128 over 8 devices) and all 128.
+MLA_SHAPES = (
+    MlaShape(),
+    MlaShape(batch=64, context=8192),
+    MlaShape(batch=32, heads=128, page_size=64, context=4096),
+)
+
+
 def abstract_pages(fmt: str, shape: Shape, dtype=jnp.bfloat16) -> KernelPages:
     """A cache layer of `fmt` (formats.py layouts) as ShapeDtypeStructs: one pool page per
     (sequence, logical page) plus the null page; KIVI tails per sequence."""
@@ -90,9 +118,13 @@ def abstract_pages(fmt: str, shape: Shape, dtype=jnp.bfloat16) -> KernelPages:
 
 
 def kernel_function(kernel: str, platform: str):
-    """The kernel entry point of `kernel` ("decode" | "prefill") for `platform` ("tpu" | "cuda")."""
+    """The kernel entry point of `kernel` (one of KERNELS) for `platform` ("tpu" | "cuda")."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    if kernel == "mla_decode":
+        from pallas_kernels.mla_decode_gpu import mla_decode_gpu
+        from pallas_kernels.mla_decode_tpu import mla_decode_tpu
+        return mla_decode_tpu if platform == "tpu" else mla_decode_gpu
     if platform == "tpu":
         from pallas_kernels.chunked_prefill_tpu import chunked_prefill_tpu
         from pallas_kernels.paged_decode_tpu import paged_decode_tpu
@@ -112,7 +144,17 @@ def abstract_args(kernel: str, fmt: str, shape: Shape, with_options: bool) -> tu
             sds(pos_shape, i32), sinks, sds((b,), i32))
 
 
-def lower(kernel: str, target: str, fmt: str, shape: Shape = BASE, with_options: bool = False) -> str:
+def abstract_mla_args(shape: MlaShape) -> tuple:
+    """(q_latent, q_rope, c_kv, k_rope, block_tables, lengths) as ShapeDtypeStructs: bf16, one
+    pool page per (sequence, logical page) plus the null page."""
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    b, h, p = shape.batch, shape.heads, shape.batch * shape.max_pages + 1
+    return (sds((b, h, shape.rank), bf16), sds((b, h, shape.rope_dim), bf16),
+            sds((p, shape.page_size, shape.rank), bf16), sds((p, shape.page_size, shape.rope_dim), bf16),
+            sds((b, shape.max_pages), jnp.int32), sds((b,), jnp.int32))
+
+
+def lower(kernel: str, target: str, fmt: str, shape: Shape | MlaShape = BASE, with_options: bool = False) -> str:
     """Export `kernel` for `target` (a key of TARGETS) over abstract inputs -> the StableHLO text.
 
     Raises whatever the kernel's lowering raises (the point of calling it)."""
@@ -121,11 +163,18 @@ def lower(kernel: str, target: str, fmt: str, shape: Shape = BASE, with_options:
     if fmt not in KERNEL_FORMATS:
         raise ValueError(f"fmt={fmt!r} must be one of {KERNEL_FORMATS}")
     platform, device_kind = TARGETS[target]
-    opts = OPTIONS if with_options else AttentionOptions()
     fn = kernel_function(kernel, platform)
-    scale = shape.head_dim ** -0.5
-    jitted = jax.jit(lambda *args: fn(*args, scale=scale, opts=opts))  # a fresh jit: nothing cached
-    args = abstract_args(kernel, fmt, shape, with_options)
+    if kernel == "mla_decode":  # the latent cache has one format (bf16) and no mask options
+        if fmt != "dense" or with_options or not isinstance(shape, MlaShape):
+            raise ValueError("mla_decode lowers for fmt='dense', no options and an MlaShape only")
+        scale = (shape.rank + shape.rope_dim) ** -0.5
+        jitted = jax.jit(lambda *args: fn(*args, scale=scale))  # a fresh jit: nothing cached
+        args = abstract_mla_args(shape)
+    else:
+        opts = OPTIONS if with_options else AttentionOptions()
+        scale = shape.head_dim ** -0.5
+        jitted = jax.jit(lambda *args: fn(*args, scale=scale, opts=opts))
+        args = abstract_args(kernel, fmt, shape, with_options)
     if platform == "cuda":
         check = jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])
         return jax.export.export(jitted, platforms=["cuda"], disabled_checks=[check])(*args).mlir_module()
@@ -135,12 +184,15 @@ def lower(kernel: str, target: str, fmt: str, shape: Shape = BASE, with_options:
 
 
 def matrix(sweep_formats: tuple[str, ...] = ("dense", "int4", "int2")) -> list[tuple[str, str, str, Shape, bool]]:
-    """(kernel, target, format, shape, options) combinations: the full kernel x target x format x
-    options product at BASE, then the SWEEP shapes with options x `sweep_formats` (default: the
-    formats a shape could break differently, dense and the packed int4 / int2)."""
-    full = [(k, t, f, BASE, o) for k, t, f, o in itertools.product(KERNELS, TARGETS, KERNEL_FORMATS, (False, True))]
-    sweep = [(k, t, f, s, True) for k, t, s, f in itertools.product(KERNELS, TARGETS, SWEEP, sweep_formats)]
-    return full + sweep
+    """(kernel, target, format, shape, options) combinations: for decode and chunked prefill
+    the full kernel x target x format x options product at BASE, then the SWEEP shapes with
+    options x `sweep_formats` (default: the formats a shape could break differently, dense and
+    the packed int4 / int2); for MLA decode every target x MLA_SHAPES (bf16, no options)."""
+    paged = ("decode", "prefill")
+    full = [(k, t, f, BASE, o) for k, t, f, o in itertools.product(paged, TARGETS, KERNEL_FORMATS, (False, True))]
+    sweep = [(k, t, f, s, True) for k, t, s, f in itertools.product(paged, TARGETS, SWEEP, sweep_formats)]
+    mla = [("mla_decode", t, "dense", s, False) for t, s in itertools.product(TARGETS, MLA_SHAPES)]
+    return full + sweep + mla
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ import numpy as np
 
 from pallas_kernels import tpu_tiles
 from pallas_kernels.common import AttentionOptions, cdiv, decode_steps, page_schedule
-from pallas_kernels.lowering import OPTIONS, Shape, abstract_pages
+from pallas_kernels.lowering import OPTIONS, MlaShape, Shape, abstract_pages
 
 FORMAT_NAMES = {"dense": "bf16"}  # KernelPages' "dense" at bf16 is jaxinfer.kv's "bf16"
 
@@ -77,17 +77,7 @@ def tpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = Attenti
     pages = abstract_pages(fmt, shape)
     cfg = tpu_tiles.TpuConfig.of(pages, max_pages=shape.max_pages, opts=opts, scale=1.0,
                                  pages_per_block=pages_per_block, steps=decode_steps(shape.max_pages, shape.page_size, opts))
-    lengths = jnp.asarray(lengths, jnp.int32)
-    tables = jnp.arange(1, 1 + shape.batch * shape.max_pages, dtype=jnp.int32)  # flattened [B, max_pages]
-
-    def page(b, i, slot):
-        walk = tpu_tiles.Walk(lengths[b], lengths[b] - 1, lengths[b] - 1, cfg)
-        return walk.physical_page(tables, b, i, slot, cfg)
-
-    grid_b, grid_i = jnp.meshgrid(jnp.arange(shape.batch), jnp.arange(cfg.num_blocks), indexing="ij")
-    ids = np.stack([np.asarray(jax.vmap(jax.vmap(lambda b, i: page(b, i, j)))(grid_b, grid_i)).reshape(-1)
-                    for j in range(cfg.pages_per_block)])  # [ppb, B * num_blocks] in grid order
-    copies = int(np.sum(ids[:, 1:] != ids[:, :-1]) + ids.shape[0])
+    copies = tpu_page_copies(cfg, lengths, shape.batch)
     page_bytes = sum(_nbytes(a.shape[1:], a.dtype) for a in (*pages.k_parts(), *pages.v_parts()))
     per_sequence = 2 * _nbytes((shape.q_heads, shape.head_dim), jnp.bfloat16)  # q in, output out
     if pages.k_tail is not None:
@@ -95,6 +85,48 @@ def tpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = Attenti
     moved = copies * page_bytes + shape.batch * per_sequence
     return Traffic(moved, cache_bytes(fmt, shape, np.asarray(lengths), opts), shape.batch,
                    shape.batch * cfg.num_blocks, copies)
+
+
+def tpu_page_copies(cfg: tpu_tiles.TpuConfig, lengths, batch: int) -> int:
+    """Page-block copies of a TPU decode walk over `batch` sequences of `lengths` (block tables:
+    distinct pages): each slot's index map over the grid, b-major, a copy whenever it changes."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    tables = jnp.arange(1, 1 + batch * cfg.max_pages, dtype=jnp.int32)  # flattened [B, max_pages]
+
+    def page(b, i, slot):
+        walk = tpu_tiles.Walk(lengths[b], lengths[b] - 1, lengths[b] - 1, cfg)
+        return walk.physical_page(tables, b, i, slot, cfg)
+
+    grid_b, grid_i = jnp.meshgrid(jnp.arange(batch), jnp.arange(cfg.num_blocks), indexing="ij")
+    ids = np.stack([np.asarray(jax.vmap(jax.vmap(lambda b, i: page(b, i, j)))(grid_b, grid_i)).reshape(-1)
+                    for j in range(cfg.pages_per_block)])  # [ppb, B * num_blocks] in grid order
+    return int(np.sum(ids[:, 1:] != ids[:, :-1]) + ids.shape[0])
+
+
+def mla_decode(target: str, shape: MlaShape, lengths) -> Traffic:
+    """Traffic of `mla_decode_tpu` (its page walk, as `tpu_decode`) or `mla_decode_gpu` (a model
+    of its masked loads: every head block reads the sequence's tokens, plus split-K partials);
+    the cache must supply each sequence's tokens once, (r + dr) bf16 numbers each."""
+    from pallas_kernels.common import next_power_of_2
+    from pallas_kernels.mla_decode_gpu import KEYS_PER_BLOCK, MAX_ROWS, MIN_ROWS, default_mla_splits
+
+    lengths = np.asarray(lengths)
+    h, r, dr, s = shape.heads, shape.rank, shape.rope_dim, shape.page_size
+    token = _nbytes((r + dr,), jnp.bfloat16)
+    cache = float(lengths.sum()) * token
+    q_out = shape.batch * (_nbytes((h, r + dr), jnp.bfloat16) + _nbytes((h, r), jnp.float32))  # queries, output
+    if target == "tpu":
+        ppb = tpu_tiles.default_pages_per_block(s, shape.max_pages)
+        cfg = tpu_tiles.TpuConfig("dense", (), (), 1, s, 1, shape.max_pages, ppb, False, AttentionOptions(), 1.0,
+                                  shape.max_pages)
+        copies = tpu_page_copies(cfg, lengths, shape.batch)
+        return Traffic(copies * s * token + q_out, cache, shape.batch, shape.batch * cfg.num_blocks, copies)
+    rows = min(MAX_ROWS, max(MIN_ROWS, next_power_of_2(h)))
+    blocks = cdiv(h, rows)
+    splits = default_mla_splits(shape.batch * blocks, shape.max_pages, max(1, KEYS_PER_BLOCK // s), s, rows, r, token)
+    partials = shape.batch * blocks * splits * 2 * (rows * r + 2 * rows) * 4  # written, then read by the merge
+    tables = 4 * sum(cdiv(int(n), s) for n in lengths) * blocks
+    return Traffic(blocks * cache + tables + partials + q_out, cache, shape.batch, shape.batch * blocks * splits, 0)
 
 
 def gpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = AttentionOptions()) -> Traffic:
@@ -145,6 +177,14 @@ def main() -> None:
                 g = gpu_decode(fmt, shape, lengths, opts)
                 print(f"| paged_decode_gpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | - | {g.grid_steps} | - | "
                       f"{g.ratio:.3f} |")
+    for heads in (16, 128):  # MLA latent decode, bf16 latent cache (r 512 + RoPE 64), page 16
+        mla = MlaShape(batch=shape.batch, heads=heads, context=shape.context)
+        for label, lengths in (("all 8k", np.full(shape.batch, shape.context)), ("ragged 1-8k", mixed)):
+            for target in ("tpu", "gpu"):
+                t = mla_decode(target, mla, lengths)
+                steps = "default" if target == "tpu" else "-"
+                print(f"| mla_decode_{target} ({heads} heads) | bf16 latent | {label} | none | {steps} | "
+                      f"{t.grid_steps} | {t.dmas if target == 'tpu' else '-'} | {t.ratio:.3f} |")
 
 
 if __name__ == "__main__":

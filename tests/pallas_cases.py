@@ -15,7 +15,8 @@ from jaxinfer.kv.dense import LayerKV
 from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.kivi import KiviLayerKV
 from jaxinfer.kv.token_quant import TokenQuantLayerKV
-from jaxinfer.attention.reference import paged_attention_reference
+from jaxinfer.attention.reference import mla_attention_reference, paged_attention_reference
+from jaxinfer.kv.latent import LatentKV
 
 # Tightest tolerances the arithmetic allows (measured maxima in brackets):
 #   f32 compute (dense f32 and every quantized format with f32 queries): kernels and reference
@@ -118,3 +119,28 @@ def assert_close(out, ref, dtype: str):
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all(), "NaN/inf leaked into the output"
     np.testing.assert_allclose(out, ref, **TOLERANCES[dtype])
+
+
+def make_mla_case(lengths, heads: int, rank: int, rope_dim: int, page: int, max_pages: int, seed: int = 0,
+                  dtype: str = "float32"):
+    """An MLA latent cache from make_case with one "KV head" of width r + dr, its keys split into
+    c_kv [P, S, r] and k_rope [P, S, dr], and queries, all of `dtype`.
+
+    -> (q_latent [B, H, r], q_rope [B, H, dr] of `dtype`, LatentKV, block tables, lengths, scale)."""
+    case = make_case("dense", dtype, lengths, heads=(1, 1), head_dim=rank + rope_dim, page=page,
+                     max_pages=max_pages, seed=seed)
+    keys = case.layer.k[:, :, 0]  # [P, S, r + dr], NaN where no sequence may read
+    latent = LatentKV(c_kv=keys[..., :rank], k_rope=keys[..., rank:])
+    rng = np.random.default_rng(seed + 1)
+    q = jnp.asarray(rng.normal(size=(len(lengths), heads, rank + rope_dim)), dtype)
+    return q[..., :rank], q[..., rank:], latent, case.block_tables, case.lengths, (rank + rope_dim) ** -0.5
+
+
+@jax.jit
+def mla_reference(q_latent, q_rope, latent, block_tables, lengths, scale):
+    """The absorbed reference at T = 1 with identity W_UK, W_UV -> f32[B, H, r]."""
+    h, r = q_latent.shape[1:]
+    eye = jnp.broadcast_to(jnp.eye(r, dtype=jnp.float32), (h, r, r))
+    out = mla_attention_reference(q_latent[:, None], q_rope[:, None], latent, eye, eye, block_tables, lengths,
+                                  (lengths - 1)[:, None], scale, absorb=True)
+    return out[:, 0]

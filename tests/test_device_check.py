@@ -22,7 +22,7 @@ def test_without_a_device_it_says_what_it_would_run_and_exits_0():
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert lines[0].startswith("no GPU or TPU found (JAX backend: cpu)")
-    assert "48 correctness checks" in run.stdout and "kernels_gpu.py --skip-checks" in run.stdout
+    assert "50 correctness checks" in run.stdout and "kernels_gpu.py --skip-checks" in run.stdout
     assert json.loads(lines[-1]) == dict(device=None, checks=0, failures=0, seconds=0.0)
 
 
@@ -30,5 +30,5 @@ def test_interpret_smoke_runs_the_checks():
     run = _run("--interpret-smoke")
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| cpu |")]
-    assert len(rows) == 2 and all(row.endswith("| ok |") for row in rows), rows
+    assert len(rows) == 3 and all(row.endswith("| ok |") for row in rows), rows
     assert json.loads(run.stdout.strip().splitlines()[-1])["failures"] == 0

@@ -112,42 +112,81 @@ def _mla_config():
     return tiny_config(arch="deepseek_v3", n_heads=4, n_kv_heads=4, head_dim=12, mla=mla)
 
 
-@pytest.mark.parametrize("variant", ["mla", "streaming"])
-def test_every_variant_goes_through_the_dispatch(variant):
-    """MLA and the StreamingLLM ring have no kernel: a kernel impl says so (it used to be
-    ignored silently), "auto" and "reference" give the same logits."""
+def test_streaming_goes_through_the_dispatch():
+    """The StreamingLLM ring has no kernel: a kernel impl says so (it used to be ignored
+    silently), "auto" and "reference" give the same logits."""
     from jaxinfer.kv import StreamingSpec
     from jaxinfer.model import init_random_params
 
-    config = _mla_config() if variant == "mla" else tiny_model()[0]
+    config = tiny_model()[0]
     params = init_random_params(config, seed=0, scale=0.3)
-    streaming = StreamingSpec(num_sinks=2, window=6) if variant == "streaming" else None
     spec = KVCacheSpec(num_pages=9, page_size=4, max_slots=2, max_pages_per_seq=4)
 
     def run(impl):
-        kv = init_paged_kv(config, spec, streaming=streaming)
+        kv = init_paged_kv(config, spec, streaming=StreamingSpec(num_sinks=2, window=6))
         kv = kv.replace(block_tables=jnp.asarray(block_table_array([[1, 2, 3, 4], [5, 6, 7, 8]], 4)))
         tokens = jnp.asarray(random_tokens((2, 5), config.vocab_size, seed=1))
         logits, _ = forward(params, config, tokens, jnp.broadcast_to(jnp.arange(5), (2, 5)), kv, attention_impl=impl)
         return np.asarray(logits)
 
-    want = "MLA latent attention" if variant == "mla" else "StreamingLLM ring attention"
     for impl in ("pallas", "pallas_gpu", "pallas_tpu"):
-        with pytest.raises(ValueError, match=f"attention_impl='{impl}': no Pallas kernel implements {want}"):
+        with pytest.raises(ValueError, match=f"attention_impl='{impl}': no Pallas kernel implements StreamingLLM"):
             run(impl)
     np.testing.assert_array_equal(run("auto"), run("reference"))
     with pytest.raises(ValueError, match="must be one of"):
         run("triton")
 
 
-def test_engine_refuses_a_kernel_impl_for_variants_without_kernels_up_front():
-    from jaxinfer.engine import Engine, EngineConfig
+def test_mla_decode_runs_the_kernel_prefill_the_reference(monkeypatch):
+    """An MLA model: prefill (5 tokens, expanded form) is the reference's under every impl; a
+    decode step (absorbed) runs the MLA kernel of the impl's target, in interpret mode here,
+    and matches the reference's logits to f32 summation order; "auto" on CPU is the reference."""
+    from jaxinfer.model import init_random_params
+
+    config = _mla_config()
+    params = init_random_params(config, seed=0, scale=0.3)
+    spec = KVCacheSpec(num_pages=9, page_size=4, max_slots=2, max_pages_per_seq=4)
+    called = []
+    real_kernel = dispatch._kernel
+    monkeypatch.setattr(dispatch, "_kernel", lambda target, kind: called.append((target, kind)) or
+                        real_kernel(target, kind))
+
+    def run(impl):
+        kv = init_paged_kv(config, spec)
+        kv = kv.replace(block_tables=jnp.asarray(block_table_array([[1, 2, 3, 4], [5, 6, 7, 8]], 4)))
+        tokens = jnp.asarray(random_tokens((2, 6), config.vocab_size, seed=1))
+        prefill, kv = forward(params, config, tokens[:, :5], jnp.broadcast_to(jnp.arange(5), (2, 5)), kv,
+                              attention_impl=impl)
+        decode, _ = forward(params, config, tokens[:, 5:], jnp.full((2, 1), 5), kv, attention_impl=impl)
+        return np.asarray(prefill), np.asarray(decode)
+
+    want = run("reference")
+    assert called == []
+    np.testing.assert_array_equal(run("auto")[1], want[1])
+    for impl, target in (("pallas", "gpu"), ("pallas_gpu", "gpu"), ("pallas_tpu", "tpu")):
+        prefill, decode = run(impl)
+        assert called[-1] == (target, "mla_decode")
+        np.testing.assert_array_equal(prefill, want[0])
+        np.testing.assert_allclose(decode, want[1], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_mla_kernel_tokens_match_the_reference():
+    """An MLA tiny model served with the GPU-style and the TPU-style MLA decode kernel
+    (interpret mode) greedy-decodes the reference's tokens."""
     from jaxinfer.loading import Model
     from jaxinfer.model import init_random_params
 
     mla = _mla_config()
-    with pytest.raises(ValueError, match="no Pallas kernel implements MLA latent attention"):
-        Engine(Model(mla, init_random_params(mla, seed=0), None), EngineConfig(max_slots=2, attention_impl="pallas"))
+    model = Model(mla, init_random_params(mla, seed=0, scale=0.3), None)
+    want = _engine_tokens(model, "reference")[0]
+    for impl in ("pallas", "pallas_tpu"):
+        assert _engine_tokens(model, impl)[0] == want, impl
+
+
+def test_engine_refuses_a_kernel_impl_for_streaming_up_front():
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.loading import Model
+
     config, params = tiny_model()
     with pytest.raises(ValueError, match="no Pallas kernel implements StreamingLLM ring attention"):
         Engine(Model(config, params, None), EngineConfig(max_slots=2, streaming=(2, 6), attention_impl="pallas"))

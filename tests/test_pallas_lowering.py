@@ -4,11 +4,13 @@
 (plain; window + sinks + sink logits + soft-cap) x target at 32 query / 8 KV heads, head_dim
 128, page 16, batch 8, context 2k; then a sweep of MQA (8 / 1), head_dim 64 / 256, page 64,
 batch 64 and 8k contexts over int4 (packed: its channel parts are what a head_dim or page size
-can break). `python -m pallas_kernels.lowering` runs the sweep over dense and int2 too (144 in
+can break); and the MLA latent decode kernel (bf16 latent cache, its only format) x target at
+DeepSeek-like shapes (r 512 + RoPE 64, 16 and 128 heads, pages 16 and 64, batch 8-64, to 8k).
+`python -m pallas_kernels.lowering` runs the sweep over dense and int2 too (144 in
 all, BENCHMARKS.md). Each export runs the kernel's whole Python-side lowering (block shapes,
 index maps, casts); the fp8 x CUDA rows failed here ("cannot cast ... to f8E4M3FN": a masked
 load's int fill) until gpu_tiles.masked_gather filled with the ref's own dtype. About 60 s of
-CPU for the 96 exports.
+CPU for the 105 exports.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ def test_matrix_covers_the_claim():
     target at the base shape, and the sweep reaches MQA, head_dim 64 and 256, page 64, 8k."""
     cases = lowering.matrix(("int4",))
     base = {(k, t, f, o) for k, t, f, s, o in cases if s == lowering.BASE}
-    assert len(base) == len(lowering.KERNELS) * len(lowering.TARGETS) * 6 * 2
-    shapes = {s for _, _, _, s, _ in cases}
+    assert len(base) == 2 * len(lowering.TARGETS) * 6 * 2  # decode, prefill
+    mla = [(t, s) for k, t, _, s, _ in cases if k == "mla_decode"]
+    assert len(mla) == len(lowering.TARGETS) * len(lowering.MLA_SHAPES)
+    assert {s.heads for _, s in mla} == {16, 128} and max(s.context for _, s in mla) == 8192
+    shapes = {s for k, _, _, s, _ in cases if k != "mla_decode"}
     assert {s.head_dim for s in shapes} == {64, 128, 256}
     assert {s.page_size for s in shapes} == {16, 64}
     assert (8, 1) in {(s.q_heads, s.kv_heads) for s in shapes}
@@ -52,3 +57,5 @@ def test_lowering_names_bad_arguments():
         lowering.lower("decode", "cuda_sm90", "int3")
     with pytest.raises(ValueError, match="kernel='verify'"):
         lowering.lower("verify", "cuda_sm90", "dense")
+    with pytest.raises(ValueError, match="mla_decode lowers for fmt='dense'"):
+        lowering.lower("mla_decode", "cuda_sm90", "int8", lowering.MLA_SHAPES[0])

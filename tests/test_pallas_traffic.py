@@ -7,7 +7,7 @@ import pytest
 
 from pallas_kernels import traffic
 from pallas_kernels.common import AttentionOptions
-from pallas_kernels.lowering import OPTIONS, Shape
+from pallas_kernels.lowering import OPTIONS, MlaShape, Shape
 
 SHAPE = Shape(batch=4, q_heads=32, kv_heads=8, head_dim=128, page_size=16, context=2048)  # 128 pages per sequence
 
@@ -61,3 +61,18 @@ def test_cache_bytes_count_visible_tokens():
     assert traffic.visible_tokens(5, opts) == 5 and traffic.visible_tokens(20, AttentionOptions()) == 20
     # dense bf16: 2 (K, V) * 8 heads * 128 channels * 2 bytes per token
     assert traffic.cache_bytes("dense", SHAPE, [3, 5], AttentionOptions()) == 8 * 2 * 8 * 128 * 2
+
+
+def test_mla_tpu_walk_copies_each_latent_page_once_and_gpu_head_blocks_reread():
+    """Lengths 1, 100, 129 and 256 at page 16, 8 page slots per grid step, 2 steps: the TPU MLA
+    walk copies 8 + 8 + 9 + 16 blocks (a short walk's spare slots re-name its last page, copied
+    once per slot; past a length nothing more); the GPU kernel's 128 heads are 2 blocks of 64
+    rows, each reading the sequence's tokens, so at 8k it moves over twice the cache bytes."""
+    shape, lengths = MlaShape(batch=4, heads=16, context=256), [1, 100, 129, 256]
+    tpu = traffic.mla_decode("tpu", shape, lengths)
+    assert tpu.dmas == 41 and tpu.grid_steps == 8
+    token = (512 + 64) * 2
+    assert tpu.cache == sum(lengths) * token
+    assert tpu.moved == 41 * 16 * token + 4 * (16 * token + 16 * 512 * 4)  # pages, queries, f32 outputs
+    gpu = traffic.mla_decode("gpu", MlaShape(batch=4, heads=128, context=8192), [8192] * 4)
+    assert 2.0 < gpu.ratio < 3.0  # 2 reads of the cache, then split-K partials

@@ -6,7 +6,9 @@
       sink logits, soft-cap)                                                       and TPU, every
                                                                                    per-head cache format
     StreamingLLM ring       streaming_attention   streaming_attention_reference    none
-    MLA latent              mla_attention         mla_attention_reference          none
+    MLA latent              mla_attention         mla_attention_reference          absorbed decode (T == 1),
+                                                                                   GPU and TPU; prefill
+                                                                                   (expanded) reference
 
 `impl` (the engine's `attention_impl`):
 
@@ -29,8 +31,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxinfer.attention.reference import (mla_attention_reference, paged_attention_reference,
-                                          streaming_attention_reference)
+from jaxinfer.attention.reference import (absorb_query, expand_latent_output, mla_attention_reference,
+                                          paged_attention_reference, streaming_attention_reference)
 from jaxinfer.kv.latent import LatentKV
 from jaxinfer.kv.layer_cache import LayerCache, own_layer
 from jaxinfer.kv.streaming import StreamingSpec
@@ -110,8 +112,20 @@ def mla_attention(
     absorb: bool,
     impl: str = "auto",
 ) -> jax.Array:
-    """DeepSeek MLA over the latent cache -> [B, T, H, dv] (reference only)."""
-    require_reference(impl, "MLA latent attention")
+    """DeepSeek MLA over the latent cache -> [B, T, H, dv]: absorbed decode (T == 1) by the MLA
+    kernel of `impl`'s target, anything else (prefill, the expanded form) by the reference."""
+    target, interpret = kernel_target(impl)
+    if target is not None and absorb and q_nope.shape[1] == 1:
+        reason = mla_unsupported_reason(latent, target, interpret)
+        if reason is None:
+            decode = _kernel(target, "mla_decode")
+            latent = own_layer(latent)  # the kernel reads the layer's own pool: a view pays a copy
+            # decode: each row's query sits at kv_lengths - 1 (query_index), as the kernels assume
+            out_latent = decode(absorb_query(q_nope, w_uk)[:, 0], q_rope[:, 0], latent.c_kv, latent.k_rope,
+                                block_tables, kv_lengths, scale=scale, interpret=interpret)  # f32[B, H, r]
+            return expand_latent_output(out_latent[:, None], w_uv, q_nope.dtype)
+        if impl != "auto":
+            raise ValueError(f"attention_impl={impl!r}: {reason}")
     return mla_attention_reference(q_nope, q_rope, latent, w_uk, w_uv, block_tables, kv_lengths, query_index,
                                    scale, absorb=absorb)
 
@@ -139,20 +153,29 @@ def kernels_by_default(impl: str) -> bool:
     return impl == "auto" and backend() in ("gpu", "tpu")
 
 
-def kernel_names(target: str | None = None) -> tuple[str, str]:
-    """The `pallas_call` names of a target's kernels (default: this backend's): decode, chunked prefill."""
+def kernel_names(target: str | None = None) -> tuple[str, str, str]:
+    """The `pallas_call` names of a target's kernels (default: this backend's): decode, chunked
+    prefill, MLA decode."""
     target = target or ("tpu" if backend() == "tpu" else "gpu")
-    return f"paged_decode_{target}", f"chunked_prefill_{target}"
+    return f"paged_decode_{target}", f"chunked_prefill_{target}", f"mla_decode_{target}"
 
 
-def resolve_impl(impl: str, q: jax.Array, layer_kv: LayerCache) -> tuple[str | None, bool]:
-    """-> (kernel target "gpu" | "tpu", or None for the reference; interpret mode?)."""
+def kernel_target(impl: str) -> tuple[str | None, bool]:
+    """-> (the kernel target "gpu" | "tpu" `impl` asks for on this backend, or None for the
+    reference; interpret mode?), whatever the variant."""
     check_impl(impl)
     platform = backend()
     if impl == "reference" or (impl == "auto" and platform not in ("gpu", "tpu")):
         return None, False
     target = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(impl, "tpu" if platform == "tpu" else "gpu")
-    interpret = platform != target
+    return target, platform != target
+
+
+def resolve_impl(impl: str, q: jax.Array, layer_kv: LayerCache) -> tuple[str | None, bool]:
+    """-> (kernel target "gpu" | "tpu", or None for the reference; interpret mode?)."""
+    target, interpret = kernel_target(impl)
+    if target is None:
+        return None, False
     reason = unsupported_reason(q, layer_kv, target, interpret)
     if reason is None:
         return target, interpret
@@ -182,8 +205,26 @@ def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpre
     return None
 
 
+def mla_unsupported_reason(latent: LatentKV, target: str, interpret: bool) -> str | None:
+    """Why the `target` MLA kernel cannot take this latent cache (None: it can)."""
+    if target == "gpu" and not interpret:
+        from pallas_kernels.mla_decode_gpu import KEYS_PER_BLOCK, check_mla_triton_shapes
+
+        page_size = latent.c_kv.shape[-2]
+        try:
+            check_mla_triton_shapes(page_size, latent.c_kv.shape[-1], latent.k_rope.shape[-1],
+                                    max(1, KEYS_PER_BLOCK // page_size))
+        except ValueError as err:
+            return str(err)
+    return None
+
+
 def _kernel(target: str, kind: str):
-    if (target, kind) == ("gpu", "decode"):
+    if (target, kind) == ("gpu", "mla_decode"):
+        from pallas_kernels.mla_decode_gpu import mla_decode_gpu as fn
+    elif (target, kind) == ("tpu", "mla_decode"):
+        from pallas_kernels.mla_decode_tpu import mla_decode_tpu as fn
+    elif (target, kind) == ("gpu", "decode"):
         from pallas_kernels.paged_decode_gpu import paged_decode_gpu as fn
     elif (target, kind) == ("tpu", "decode"):
         from pallas_kernels.paged_decode_tpu import paged_decode_tpu as fn

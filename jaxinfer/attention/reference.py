@@ -258,15 +258,24 @@ def mla_attention_reference(
     key_index = jnp.arange(c.shape[1], dtype=jnp.int32)[None, :]
     visible = visible_keys(key_index, kv_lengths, query_index)
     if absorb:
-        q_latent = jnp.einsum("bthn,hnr->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q_nope.dtype)
-        q = jnp.concatenate([q_latent, q_rope], axis=-1)  # [B, T, H, r + dr]
+        q = jnp.concatenate([absorb_query(q_nope, w_uk), q_rope], axis=-1)  # [B, T, H, r + dr]
         k = jnp.concatenate([c, k_rope], axis=-1)[:, :, None, :]  # [B, S, 1, r + dr]
         out_latent = attention_output(attention_scores(q, k, scale), c[:, :, None, :], visible)  # [B, T, H, r]
-        out = jnp.einsum("bthr,hvr->bthv", out_latent.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
-        return out.astype(q_nope.dtype)
+        return expand_latent_output(out_latent, w_uv, q_nope.dtype)
     h = q_nope.shape[2]
     k_nope = jnp.einsum("bsr,hnr->bshn", c, w_uk, preferred_element_type=jnp.float32).astype(c.dtype)
     v = jnp.einsum("bsr,hvr->bshv", c, w_uv, preferred_element_type=jnp.float32).astype(c.dtype)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_rope.shape[:2], h, k_rope.shape[-1]))], axis=-1)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     return attention_output(attention_scores(q, k, scale), v, visible).astype(q_nope.dtype)
+
+
+def absorb_query(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
+    """q_nope [B, T, H, dn], W_UK [H, dn, r] -> W_UK[h]^T q_nope_h: [B, T, H, r] (dtype of q_nope)."""
+    return jnp.einsum("bthn,hnr->bthr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q_nope.dtype)
+
+
+def expand_latent_output(out_latent: jax.Array, w_uv: jax.Array, dtype) -> jax.Array:
+    """Latent attention output [B, T, H, r], W_UV [H, dv, r] -> W_UV[h] out_h: [B, T, H, dv] of `dtype`."""
+    out = jnp.einsum("bthr,hvr->bthv", out_latent.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)
+    return out.astype(dtype)

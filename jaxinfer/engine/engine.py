@@ -92,9 +92,7 @@ class Engine:
         self.config = config
         mc = model.config
         stream = None if config.streaming is None else StreamingSpec(*config.streaming)
-        if mc.mla is not None:  # variants with no kernel: say so now, not at the first step's trace
-            require_reference(config.attention_impl, "MLA latent attention")
-        if stream is not None:
+        if stream is not None:  # a variant with no kernel: say so now, not at the first step's trace
             require_reference(config.attention_impl, "StreamingLLM ring attention")
         max_len = config.max_model_len or (STREAMING_MAX_LEN if stream else min(mc.max_position, 2048))
         if max_len > mc.max_position and stream is None:

@@ -41,7 +41,7 @@ def mla_attention(
     idxs: list[WriteIndices],
     inv_freq: jax.Array,  # f32[dr / 2]
     latent: LatentKV,
-    impl: str = "auto",  # `jaxinfer.attention.dispatch`: MLA has no kernel, "pallas" raises
+    impl: str = "auto",  # `jaxinfer.attention.dispatch`: decode runs the MLA kernel of a kernel impl
 ) -> tuple[list[jax.Array], LatentKV]:
     """Project, write every group's latents, attend per group -> ([B, T, H * dv] per group, cache).
 
