@@ -39,6 +39,8 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
     assert from_orbax.stdout == from_gguf.stdout
     speculative = jaxinfer("generate", "--model", str(dst), "--speculative", "ngram", "--num-speculative", "3", *args)
     assert speculative.stdout == from_gguf.stdout
+    asynchronous = jaxinfer("generate", "--model", str(dst), "--async-scheduling", *args)
+    assert asynchronous.stdout == from_gguf.stdout
 
 
 def test_bad_input_exits_with_a_clear_message(tmp_path):
@@ -48,6 +50,8 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
     bad_draft = jaxinfer("generate", "--speculative", "medusa", "hi", check=False)
     assert bad_draft.returncode == 2 and "--speculative 'medusa'" in bad_draft.stderr
+    both = jaxinfer("generate", "--async-scheduling", "--speculative", "ngram", "hi", check=False)
+    assert both.returncode == 2 and "async_scheduling" in both.stderr and "Traceback" not in both.stderr
 
 
 @pytest.mark.slow
