@@ -73,7 +73,8 @@ class LaunchedStep:
     index: int  # the engine's step count when it was dispatched
     outputs: tuple  # on the device: see `Engine._dispatch`
     slots: list[int]  # of plan.decode's requests
-    first_tokens: list[tuple[Request, int]] = dataclasses.field(default_factory=list)  # asynchronous: `_first_tokens`
+    # (request, prefill row) of the chunks that ended a prompt (`_first_tokens`), set after commit
+    first_tokens: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -373,7 +374,8 @@ class Engine:
                 req.draft_carry = n + 1
             for req, _ in plan.prefill:
                 req.draft_carry = 1
-        return self._emit(launched, result, kept, self._first_tokens(plan))
+        launched.first_tokens = self._first_tokens(plan)
+        return self._emit(launched, result, kept)
 
     def _async_step(self) -> list[RequestOutput]:
         """Schedule and dispatch step n + 1, then read step n's tokens and return its outputs.
@@ -398,7 +400,7 @@ class Engine:
         result = self._collect(previous)
         for req in previous.plan.decode + [r for r, _ in previous.first_tokens]:
             req.num_in_flight -= 1
-        return self._emit(previous, result, [0] * len(previous.plan.decode), previous.first_tokens)
+        return self._emit(previous, result, [0] * len(previous.plan.decode))
 
     def _first_tokens(self, plan: SchedulePlan) -> list[tuple[Request, int]]:
         """After `commit(plan)`: (request, prefill row) of each chunk that ended its prompt and
@@ -414,17 +416,18 @@ class Engine:
                 feed[req.slot] = req.in_flight_row
         return feed if (feed >= 0).any() else None
 
-    def _emit(self, launched: LaunchedStep, result: StepResult, kept: list[int],
-              first_tokens: list[tuple[Request, int]]) -> list[RequestOutput]:
-        """Hand a step's tokens to its requests: append, check stops, finish, report."""
+    def _emit(self, launched: LaunchedStep, result: StepResult, kept: list[int]) -> list[RequestOutput]:
+        """Hand a step's tokens to its requests: append, check stops, finish, report.
+        `kept[i]`: the drafts `plan.decode[i]` kept."""
         plan, drafts = launched.plan, launched.drafts
         now = time.perf_counter()
         # (request, tokens, its row in the logprob arrays: decode [B] / blocks [B, k + 1], or prefill [P])
         # slots as launched: a request preempted since (asynchronous) has none now
         emitted = [(r, result.tokens[b, : n + 1].tolist(), (0, b)) for r, b, n in zip(plan.decode, launched.slots, kept)]
-        emitted += [(r, [int(result.prefill[row])], (1, row)) for r, row in first_tokens]
+        emitted += [(r, [int(result.prefill[row])], (1, row)) for r, row in launched.first_tokens]
         emitted = [e for e in emitted if self.requests.get(e[0].request_id) is e[0]]  # asynchronous: not aborted since
-        drafted = {} if drafts is None else {id(r): (int(drafts.num_draft[r.slot]), n) for r, n in zip(plan.decode, kept)}
+        drafted = {} if drafts is None else {id(r): (int(drafts.num_draft[b]), n)
+                                             for r, b, n in zip(plan.decode, launched.slots, kept)}
         wanted = any(r.params.logprobs is not None for r, _, _ in emitted)
         host_logprobs = self._logprobs(launched.index, result.step_logits) if wanted else None
         outputs = []
