@@ -169,14 +169,20 @@ def check_kv_copies() -> dict:
 
 
 def check_variants() -> dict:
-    """Sliding windows (pages released behind the window, per replica), a StreamingLLM ring and
-    MLA (latent pages, left to GSPMD; model=1 only) on meshes: tokens as on one device."""
+    """Sliding windows (pages released behind the window, per replica), a StreamingLLM ring,
+    MLA (latent pages, left to GSPMD; model=1 only) and gpt-oss layers (learned sinks,
+    experts, YaRN) on meshes: tokens as on one device."""
     from test_attention_variants import mla_tiny_config
     from tiny_models import tiny_config
 
+    from jaxinfer.config import MoEConfig, YarnRopeScaling
     from jaxinfer.model import init_random_params
 
+    gpt_oss = tiny_config(arch="gpt_oss", attn_sinks=True, attn_bias=True, attn_out_bias=True, layer_windows=(6, None),
+                          moe=MoEConfig(n_experts=4, experts_per_token=2, expert_dim=16),
+                          rope_scaling=YarnRopeScaling(factor=4.0, original_max_position=32))
     cases = {"window": (tiny_config(layer_windows=(6, 6)), "data=2,model=4", {}),
+             "gpt_oss": (gpt_oss, "data=2,model=4", {}),  # learned sinks split with the query heads
              "streaming": (tiny_config(), "data=2,model=4", {"streaming": (2, 6)}),
              "mla": (mla_tiny_config(), "data=8,model=1", {})}
     out = {}

@@ -109,7 +109,7 @@ def test_greedy_speculation_on_a_mesh_equals_plain_decoding(meshes, source):
     assert meshes["speculative"][source] == meshes["ref_tokens"]
 
 
-@pytest.mark.parametrize("variant", ["window", "streaming", "mla"])
+@pytest.mark.parametrize("variant", ["window", "streaming", "mla", "gpt_oss"])
 def test_attention_variants_on_a_mesh_equal_one_device(meshes, variant):
     assert meshes["variants"][variant]["mesh"] == meshes["variants"][variant]["ref"]
 

@@ -106,8 +106,11 @@ def attention_block(
     ks = [apply_rope(k, g.positions, inv_freq) for k, g in zip(ks, groups)]
 
     def attend(q, layer_kv, idx):
+        sinks = layer.sinks  # f32[Hq]
+        if sinks is not None and sinks.shape[0] != q.shape[2]:  # under shard_map: this device's block of query heads
+            sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index("model") * q.shape[2], q.shape[2])
         return dispatch.paged_attention(q, layer_kv, idx.block_tables, idx.new_lengths, idx.cache_index,
-                                        scale=c.attention_scale, window=window, sink_logits=layer.sinks,
+                                        scale=c.attention_scale, window=window, sink_logits=sinks,
                                         soft_cap=c.attn_softcap, slots=idx.slots, impl=attention_impl)
 
     if mesh is not None and layer_kv.splits_over_mesh:
