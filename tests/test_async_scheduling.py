@@ -103,9 +103,11 @@ def test_async_abort_while_a_step_is_in_flight(model):
     assert eng.scheduler.num_allocated == 0
 
 
-def test_async_scheduling_refuses_speculation():
+def test_async_scheduling_refuses_speculation_and_non_bools():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling=True, speculative=SpeculativeConfig("ngram", 2))
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling="yes")
 
 
 def test_async_slot_goes_to_the_next_request_when_the_last_token_is_dispatched(model):

@@ -143,9 +143,7 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
     arch = ARCHITECTURES[archs[0]]
 
     def field(key: str) -> Any:
-        if hf.get(key) is None:
-            raise CheckpointError(f"{file}: missing config field {key!r}")
-        return hf[key]
+        return _required(hf, key, file)
 
     _reject_unsupported(hf, arch, file)
     n_heads = int(field("num_attention_heads"))
@@ -183,16 +181,19 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
         )
 
 
-def _moe_config(hf: dict[str, Any], file: Path) -> MoEConfig:
-    def field(key: str) -> Any:
-        if hf.get(key) is None:
-            raise CheckpointError(f"{file}: missing config field {key!r}")
-        return hf[key]
+def _required(hf: dict[str, Any], key: str, file: Path) -> Any:
+    if hf.get(key) is None:
+        raise CheckpointError(f"{file}: missing config field {key!r}")
+    return hf[key]
 
+
+def _moe_config(hf: dict[str, Any], file: Path) -> MoEConfig:
+    """gpt-oss experts: how many, how many per token, their width and clamped SwiGLU."""
+    n_experts, per_token, width = (int(_required(hf, key, file)) for key in
+                                   ("num_local_experts", "num_experts_per_tok", "intermediate_size"))
     with as_checkpoint_error(file):
-        return MoEConfig(n_experts=int(field("num_local_experts")), experts_per_token=int(field("num_experts_per_tok")),
-                         expert_dim=int(field("intermediate_size")), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
-                         swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+        return MoEConfig(n_experts=n_experts, experts_per_token=per_token, expert_dim=width,
+                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
 
 
 def _optional_float(hf: dict[str, Any], key: str) -> float | None:
@@ -226,8 +227,7 @@ def _mla_config(hf: dict[str, Any], file: Path) -> MLAConfig:
         raise CheckpointError(f"{file}: mixture-of-experts layers are not supported (need "
                               f"first_k_dense_replace={hf.get('first_k_dense_replace')} >= num_hidden_layers={n_layers})")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if hf.get(key) is None:
-            raise CheckpointError(f"{file}: missing config field {key!r}")
+        _required(hf, key, file)
     with as_checkpoint_error(file):
         return MLAConfig(kv_lora_rank=int(hf["kv_lora_rank"]), qk_nope_dim=int(hf["qk_nope_head_dim"]),
                          qk_rope_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),

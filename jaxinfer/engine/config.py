@@ -70,6 +70,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"EngineConfig.async_scheduling={self.async_scheduling!r} must be True or False")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r} must be one of {IMPLS}")
         if self.layer_loop not in LAYER_LOOPS:
