@@ -16,8 +16,8 @@ import torch
 
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.loading import Model, load_model
-from test_model_parity import all_position_logits, hf_greedy
-from test_variant_parity import greedy_one_by_one
+from test_model_parity import all_position_logits
+from test_variant_parity import assert_matches_transformers
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=112, max_position_embeddings=256, initializer_range=0.15,
             rms_norm_eps=1e-6, tie_word_embeddings=True, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -59,17 +59,7 @@ def test_gemma_logits_and_greedy_match_transformers(tmp_path, variant):
     assert (c.attn_softcap, c.final_softcap) == (attn_cap, changes.get("final_logit_softcapping"))
     assert c.rope_local_theta == (10000.0 if family == "Gemma3" else None)
     tokens = np.random.default_rng(1).integers(0, 211, (2, 40)).astype(np.int32)  # 40 tokens: 5 windows of 8
-    with torch.no_grad():
-        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(all_position_logits(ours, tokens), want, atol=1e-4, rtol=0)  # prefill path
-
-    prompt = tokens[0, :6].tolist()
-    ref = hf_greedy(hf, prompt, 24)
-    got, logits = greedy_one_by_one(ours, prompt, 24)
-    assert got == ref
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt + ref[:-1]])).logits[0, len(prompt) - 1 :].numpy()
-    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)  # decode path, 30 tokens: past 3 windows
+    ref = assert_matches_transformers(hf, ours, tokens, 6, 24)  # decode: 30 tokens, past 3 windows
 
 
 def test_gemma3_rope_bases_differ_per_layer_type(tmp_path):

@@ -17,8 +17,8 @@ from jaxinfer.config import MoEConfig, YarnRopeScaling
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import SamplingParams
-from test_model_parity import all_position_logits, hf_greedy
-from test_variant_parity import greedy_one_by_one
+from test_model_parity import all_position_logits
+from test_variant_parity import assert_matches_transformers
 
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=48, max_position_embeddings=512, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=6,
@@ -52,21 +52,11 @@ def test_gpt_oss_logits_and_greedy_match_transformers(tmp_path):
     assert isinstance(c.rope_scaling, YarnRopeScaling) and c.rope_scaling.factor == 8.0
     np.testing.assert_array_equal(np.asarray(ours.params.layers[1].sinks), hf.model.layers[1].self_attn.sinks.detach().numpy())
     tokens = np.random.default_rng(1).integers(0, 211, (2, 40)).astype(np.int32)  # 40 tokens: 5 windows of 8
-    with torch.no_grad():
-        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(all_position_logits(ours, tokens), want, atol=1e-4, rtol=0)  # prefill path
-
-    prompt = tokens[0, :6].tolist()
-    ref = hf_greedy(hf, prompt, 24)
-    got, logits = greedy_one_by_one(ours, prompt, 24)
-    assert got == ref
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt + ref[:-1]])).logits[0, len(prompt) - 1 :].numpy()
-    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)  # decode path, past 3 windows
+    ref = assert_matches_transformers(hf, ours, tokens, 6, 24)  # decode: 30 tokens, past 3 windows
 
     # the serving engine (paged, chunked prefill, windowed layers in their ring pool) gives the same tokens
     engine = Engine(ours, EngineConfig(max_slots=2, page_size=4, prefill_chunk=4, max_model_len=64))
-    [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    [out] = engine.generate([tokens[0, :6].tolist()], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert out.token_ids == ref
 
 

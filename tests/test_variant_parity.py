@@ -61,6 +61,24 @@ def greedy_one_by_one(model, prompt: list[int], n: int) -> tuple[list[int], np.n
     return [int(x.argmax()) for x in out], np.stack(out)
 
 
+def assert_matches_transformers(hf, ours, tokens: np.ndarray, prompt_len: int, new_tokens: int) -> list[int]:
+    """Logits at every position of `tokens` (the prefill path) and along `new_tokens` greedy
+    steps after the first `prompt_len` tokens of row 0 (the decode path) within 1e-4 of
+    transformers', greedy tokens equal -> transformers' greedy tokens."""
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(all_position_logits(ours, tokens), want, atol=1e-4, rtol=0)  # prefill path
+
+    prompt = tokens[0, :prompt_len].tolist()
+    ref = hf_greedy(hf, prompt, new_tokens)
+    got, logits = greedy_one_by_one(ours, prompt, new_tokens)
+    assert got == ref
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt + ref[:-1]])).logits[0, len(prompt) - 1 :].numpy()
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)  # decode path
+    return ref
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_variant_logits_and_greedy_match_transformers(tmp_path, variant):
     family, changes = VARIANTS[variant]
@@ -69,14 +87,4 @@ def test_variant_logits_and_greedy_match_transformers(tmp_path, variant):
     assert ours.config.layer_windows == EXPECTED[variant]
     assert (ours.config.mla is not None) == family.startswith("Deepseek")
     tokens = np.random.default_rng(1).integers(0, 211, (2, 72)).astype(np.int32)  # 72 tokens: 4.5 windows of 16
-    with torch.no_grad():
-        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(all_position_logits(ours, tokens), want, atol=1e-4, rtol=0)  # prefill path
-
-    prompt = tokens[0, :12].tolist()
-    ref = hf_greedy(hf, prompt, 32)
-    got, logits = greedy_one_by_one(ours, prompt, 32)
-    assert got == ref
-    with torch.no_grad():
-        want = hf(torch.tensor([prompt + ref[:-1]])).logits[0, len(prompt) - 1 :].numpy()
-    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)  # decode path, 44 tokens: past 2 windows
+    assert_matches_transformers(hf, ours, tokens, 12, 32)  # decode: 44 tokens, past 2 windows
