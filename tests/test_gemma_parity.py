@@ -59,7 +59,7 @@ def test_gemma_logits_and_greedy_match_transformers(tmp_path, variant):
     assert (c.attn_softcap, c.final_softcap) == (attn_cap, changes.get("final_logit_softcapping"))
     assert c.rope_local_theta == (10000.0 if family == "Gemma3" else None)
     tokens = np.random.default_rng(1).integers(0, 211, (2, 40)).astype(np.int32)  # 40 tokens: 5 windows of 8
-    ref = assert_matches_transformers(hf, ours, tokens, 6, 24)  # decode: 30 tokens, past 3 windows
+    assert_matches_transformers(hf, ours, tokens, 6, 24)  # decode: 30 tokens, past 3 windows
 
 
 def test_gemma3_rope_bases_differ_per_layer_type(tmp_path):
