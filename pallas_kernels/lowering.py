@@ -11,6 +11,9 @@ and the Pallas lowering to the target's kernel dialect::
     cuda_sm90   cuda      Pallas Triton (__gpu$xla.gpu.triton) nothing chip-specific; the custom
                                                                call is not export-stable, so its
                                                                safety check is disabled
+    cuda_sm90_mosaic cuda Pallas Mosaic GPU (mosaic_gpu_v2)    decode only, the formats and shapes
+                                                               `paged_decode_mgpu` takes (the rest
+                                                               is dispatched to Triton)
 
 What it does not prove: the device-side compilers (libtpu's Mosaic passes, Triton's PTX
 compile) run only on the device; `benchmarks/device_check.py` runs the kernels there.
@@ -32,7 +35,8 @@ from pallas_kernels.common import AttentionOptions, cdiv
 from pallas_kernels.formats import KERNEL_FORMATS, KernelPages
 
 KERNELS = ("decode", "prefill", "mla_decode")
-TARGETS = {"tpu_v5e": ("tpu", "TPU v5e"), "tpu_v6e": ("tpu", "TPU v6e"), "cuda_sm90": ("cuda", None)}
+TARGETS = {"tpu_v5e": ("tpu", "TPU v5e"), "tpu_v6e": ("tpu", "TPU v6e"), "cuda_sm90": ("cuda", None),
+           "cuda_sm90_mosaic": ("cuda", "mosaic")}
 CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 # Production mask options (Gemma-3-like window, StreamingLLM sinks, Gemma-2 soft-cap), with sink logits.
 OPTIONS = AttentionOptions(window=1024, num_sinks=4, soft_cap=50.0)
@@ -117,10 +121,16 @@ def abstract_pages(fmt: str, shape: Shape, dtype=jnp.bfloat16) -> KernelPages:
                        format=fmt)
 
 
-def kernel_function(kernel: str, platform: str):
-    """The kernel entry point of `kernel` (one of KERNELS) for `platform` ("tpu" | "cuda")."""
+def kernel_function(kernel: str, platform: str, mosaic_gpu: bool = False):
+    """The kernel entry point of `kernel` (one of KERNELS) for `platform` ("tpu" | "cuda"; on
+    CUDA the Mosaic GPU decode kernel with `mosaic_gpu`)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    if mosaic_gpu:
+        if kernel != "decode":
+            raise ValueError(f"no Mosaic GPU kernel for {kernel!r} (the Triton one runs there)")
+        from pallas_kernels.paged_decode_mgpu import paged_decode_mgpu
+        return paged_decode_mgpu
     if kernel == "mla_decode":
         from pallas_kernels.mla_decode_gpu import mla_decode_gpu
         from pallas_kernels.mla_decode_tpu import mla_decode_tpu
@@ -163,7 +173,7 @@ def lower(kernel: str, target: str, fmt: str, shape: Shape | MlaShape = BASE, wi
     if fmt not in KERNEL_FORMATS:
         raise ValueError(f"fmt={fmt!r} must be one of {KERNEL_FORMATS}")
     platform, device_kind = TARGETS[target]
-    fn = kernel_function(kernel, platform)
+    fn = kernel_function(kernel, platform, mosaic_gpu=device_kind == "mosaic")
     if kernel == "mla_decode":  # the latent cache has one format (bf16) and no mask options
         if fmt != "dense" or with_options or not isinstance(shape, MlaShape):
             raise ValueError("mla_decode lowers for fmt='dense', no options and an MlaShape only")
@@ -189,10 +199,26 @@ def matrix(sweep_formats: tuple[str, ...] = ("dense", "int4", "int2")) -> list[t
     options x `sweep_formats` (default: the formats a shape could break differently, dense and
     the packed int4 / int2); for MLA decode every target x MLA_SHAPES (bf16, no options)."""
     paged = ("decode", "prefill")
-    full = [(k, t, f, BASE, o) for k, t, f, o in itertools.product(paged, TARGETS, KERNEL_FORMATS, (False, True))]
-    sweep = [(k, t, f, s, True) for k, t, s, f in itertools.product(paged, TARGETS, SWEEP, sweep_formats)]
-    mla = [("mla_decode", t, "dense", s, False) for t, s in itertools.product(TARGETS, MLA_SHAPES)]
-    return full + sweep + mla
+    triton = [t for t in TARGETS if t != "cuda_sm90_mosaic"]
+    full = [(k, t, f, BASE, o) for k, t, f, o in itertools.product(paged, triton, KERNEL_FORMATS, (False, True))]
+    sweep = [(k, t, f, s, True) for k, t, s, f in itertools.product(paged, triton, SWEEP, sweep_formats)]
+    mla = [("mla_decode", t, "dense", s, False) for t, s in itertools.product(triton, MLA_SHAPES)]
+    return full + sweep + mla + mosaic_matrix()
+
+
+def mosaic_matrix() -> list[tuple[str, str, str, Shape, bool]]:
+    """The Mosaic GPU decode kernel: its formats x options at BASE and SWEEP, where the dispatch
+    would run it (`check_mgpu_shapes`; elsewhere the Triton kernel, lowered above)."""
+    from pallas_kernels.paged_decode_mgpu import MGPU_FORMATS, check_mgpu_shapes
+
+    rows = []
+    for shape, fmt, with_options in itertools.product((BASE, *SWEEP), MGPU_FORMATS, (False, True)):
+        try:
+            check_mgpu_shapes(abstract_pages(fmt, shape), shape.q_heads)
+        except ValueError:
+            continue
+        rows.append(("decode", "cuda_sm90_mosaic", fmt, shape, with_options))
+    return rows
 
 
 def main() -> int:

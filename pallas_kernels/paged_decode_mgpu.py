@@ -1,0 +1,342 @@
+"""Paged decode attention for Hopper GPUs (sm90: H100/H200) on **Pallas Mosaic GPU**, dense bf16/f16,
+int8 and fp8 pages.
+
+Mosaic GPU is JAX's GPU lowering from 0.10 on (Pallas Triton is deprecated from 0.11): a
+program is one warpgroup, pages move GMEM -> SMEM by TMA, and both matmuls run on the tensor
+cores (`wgmma`, 64-row tiles). Same contract as `paged_decode_gpu` (the Triton kernel, which
+stays for f32 pages, KIVI int4/int2 and pre-Hopper GPUs; `jaxinfer.attention.dispatch` says
+which runs where). Reference: `jaxinfer.attention.reference.paged_attention_reference`;
+tests/test_pallas_mgpu.py runs this kernel in jax's GPU interpret mode on CPU.
+
+Layout. A page holds S tokens of every KV head, [S, Hkv, Dh], contiguous: viewed as
+[S * Hkv, Dh] it is a tile of keys in (token, head) order, and one TMA copy brings all heads of
+a page. A program owns one sequence and *all* its heads, so every key is read exactly once and
+the per-token scales of int8 / fp8 pages ([S, Hkv] per page) are one contiguous row. Query rows
+are the Hq query heads padded to 64 (wgmma's M); row r belongs to KV head r // G and sees only
+its head's columns (the mask drawn in gpu_tiles.py). The wasted tensor-core work (a factor Hkv)
+is cheap: decode is bound by the pages' bytes::
+
+    step (ppb pages, or one chunk of a page when S * Hkv > N_max):
+      TMA  k, v pages [S*Hkv, Dh] (+ scale rows [S*Hkv]) -> SMEM slot (double-buffered: the
+           next step's copy is in flight while this one computes)
+      quantized: SMEM -> registers -> bf16 -> SMEM (the scales are applied to the scores'
+           columns and to the probabilities' columns, so K and V only change dtype)
+      V rows past the length -> 0 (their bytes may be anything, NaN included)
+      s = q @ k^T (wgmma)  -> scale, soft-cap, mask, online softmax (common.py's formulas)
+      acc += p @ v (wgmma)
+
+Grid (B, k_splits): split s walks schedule steps [s * n, (s + 1) * n) of common.page_schedule
+(sinks, window, length) and writes (m, l, acc); the wrapper merges the splits and adds the sink
+logits (common.merge_partials / finalize), as the Triton kernel does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import (MASK_VALUE, AttentionOptions, cap_scores, cdiv, check_decode_shapes,
+                                   check_sink_logits, decode_steps, finalize, merge_partials, page_schedule, visible)
+from pallas_kernels import mgpu_interpret
+from pallas_kernels.formats import KernelPages
+
+MGPU_FORMATS = ("dense", "int8", "fp8_e4m3", "fp8_e5m2")  # KIVI packs channels: Triton kernel
+ROWS = 64  # wgmma's M
+MAX_KEYS = 256  # wgmma's largest N: keys per tile
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuTiles:
+    """Static tiling of one call (hashable)."""
+
+    fmt: str
+    page_size: int
+    kv_heads: int
+    group: int  # query heads per KV head
+    rows: int  # query rows, a multiple of 64
+    head_dim: int
+    pages_per_step: int  # pages per tile (pages_per_step * S * Hkv keys) ...
+    chunks: int  # ... or chunks per page (one page of S * Hkv keys in `chunks` tiles)
+    steps_per_split: int  # schedule steps (pages) per split, a multiple of pages_per_step
+    opts: AttentionOptions
+    scale: float
+    interpret: bool
+
+    @property
+    def keys(self) -> int:
+        """Keys per tile (N)."""
+        return self.pages_per_step * self.page_size * self.kv_heads // self.chunks
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != "dense"
+
+
+def tiles_for(pages: KernelPages, q_heads: int) -> tuple[int, int, int]:
+    """(rows, pages per tile, chunks per page). A tile holds a multiple of 64 keys (the V
+    tile's register layout): several small pages, one page, or a chunk of a large one, as
+    many keys as fit SMEM (`smem_bytes`) up to 256 (wgmma's largest N; 128 for row blocks
+    over 64, whose registers run out first)."""
+    rows = ROWS * cdiv(q_heads, ROWS)
+    page_keys = pages.page_size * pages.num_kv_heads
+    if page_keys <= ROWS:
+        return rows, max(1, ROWS // page_keys), 1
+    chunks = max(1, page_keys // (MAX_KEYS if rows == ROWS else MAX_KEYS // 2))
+    while smem_bytes(pages, rows, page_keys // chunks) > SMEM_BYTES and page_keys // chunks > ROWS:
+        chunks *= 2
+    return rows, 1, chunks
+
+
+SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
+
+
+def smem_bytes(pages: KernelPages, rows: int, keys: int) -> int:
+    """Shared memory of one program: double-buffered K/V stages (+ f32 scales and the tiles a
+    quantized format converts into), the queries and the probabilities."""
+    dh, stored, compute = pages.head_dim, jnp.dtype(pages.k.dtype).itemsize, jnp.dtype(compute_dtype(pages)).itemsize
+    total = 2 * 2 * keys * dh * stored + rows * dh * compute + rows * keys * compute
+    if pages.format != "dense":
+        total += 2 * keys * dh * compute + 2 * 2 * keys * 4
+    return total
+
+
+def check_mgpu_shapes(pages: KernelPages, q_heads: int) -> None:
+    """What this kernel's tiles need; raises ValueError naming the size (the dispatch then
+    uses the Triton kernel)."""
+    if pages.format not in MGPU_FORMATS:
+        raise ValueError(f"the Mosaic GPU decode kernel reads {MGPU_FORMATS} pages, not {pages.format}")
+    if pages.format == "dense" and pages.k.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"the Mosaic GPU decode kernel reads bf16/f16 dense pages, not {pages.k.dtype}")
+    dh, page_keys = pages.head_dim, pages.page_size * pages.num_kv_heads
+    if dh % 64:
+        raise ValueError(f"head_dim={dh} must be a multiple of 64 (the 128-byte swizzled SMEM tiles)")
+    rows, ppb, chunks = tiles_for(pages, q_heads)
+    keys = ppb * page_keys // chunks
+    if keys % ROWS or page_keys % chunks or (ppb > 1 and ROWS % page_keys):
+        raise ValueError(f"page_size * kv_heads = {page_keys} must divide 64 or be a multiple of it")
+    if smem_bytes(pages, rows, keys) > SMEM_BYTES:
+        raise ValueError(f"a {keys}-key tile of head_dim {dh} needs {smem_bytes(pages, rows, keys)} bytes of SMEM")
+    if pages.format != "dense" and (page_keys // chunks) % 32:
+        # a TMA copy moves a multiple of 128 bytes: one page's f32 scales
+        raise ValueError(f"page_size * kv_heads = {page_keys} must be a multiple of 32 for {pages.format} pages")
+
+
+def compute_dtype(pages: KernelPages):
+    """The wgmma operand dtype: the pages' own for dense, bf16 for int8 (exact), f16 for fp8
+    (Hopper converts fp8 to f16 in hardware, not to bf16; both fp8 ranges fit f16)."""
+    return {"dense": pages.k.dtype, "int8": jnp.bfloat16}.get(pages.format, jnp.float16)
+
+
+def _swizzled(shape, dtype) -> plgpu.SMEM:
+    """SMEM in 8-row tiles of up to 128 bytes per row, swizzled: what TMA and wgmma want."""
+    row_bytes = min(128, shape[-1] * jnp.dtype(dtype).itemsize)
+    tiling = plgpu.TilingTransform((8, row_bytes // jnp.dtype(dtype).itemsize))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(row_bytes)))
+
+
+def _kernel(lengths_ref, query_pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, cfg: MgpuTiles):
+    if cfg.quantized:
+        k_scale_ref, v_scale_ref, acc_out, m_out, l_out, *scratch = refs
+    else:
+        k_scale_ref = v_scale_ref = None
+        acc_out, m_out, l_out, *scratch = refs
+    q_smem, k_stage, v_stage, ks_stage, vs_stage, p_smem, q_bar, kv_bars, *converted = scratch  # quantized: k, v tiles
+    cast = (lambda x, layout: x) if cfg.interpret else plgpu.layout_cast  # interpret mode has no layouts
+    b, split = lax.axis_index("b"), lax.axis_index("s")
+    length, query_pos = lengths_ref[b], query_pos_ref[b]
+    sched = page_schedule(length, query_pos, query_pos, cfg.page_size, cfg.opts)
+    start = split * cfg.steps_per_split
+    stop = jnp.minimum(start + cfg.steps_per_split, sched.count)
+    ppb, chunks, n = cfg.pages_per_step, cfg.chunks, cfg.keys
+    page_rows = cfg.page_size * cfg.kv_heads // chunks  # rows of one TMA copy
+    tiles = cdiv(jnp.maximum(stop - start, 0), ppb) * chunks  # tiles this split folds in
+
+    def tile_pages(t):
+        """Schedule steps of tile t's pages (past `stop`: re-read the last page, masked) and its chunk."""
+        first = start + (t // chunks) * ppb
+        steps = [jnp.minimum(first + i, stop - 1) for i in range(ppb)]
+        real = [first + i < stop for i in range(ppb)]
+        return steps, real, t % chunks
+
+    def fetch(t, slot):
+        steps, _, chunk = tile_pages(t)
+        bar = kv_bars.at[slot]
+        for i, step in enumerate(steps):
+            page = bt_ref[b, sched.logical_page(step)]
+            rows = pl.ds(i * page_rows, page_rows)
+            plgpu.copy_gmem_to_smem(k_ref.at[page, chunk], k_stage.at[slot, rows], bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[page, chunk], v_stage.at[slot, rows], bar)
+            if cfg.quantized:
+                plgpu.copy_gmem_to_smem(k_scale_ref.at[page, chunk], ks_stage.at[slot, rows], bar)
+                plgpu.copy_gmem_to_smem(v_scale_ref.at[page, chunk], vs_stage.at[slot, rows], bar)
+
+    def key_positions(t, col):
+        """Cache position of key column `col` of tile t (i32, col's shape) and whether it is read."""
+        steps, real, chunk = tile_pages(t)
+        token = col // cfg.kv_heads  # token within the tile
+        pos = jnp.zeros_like(col)
+        ok = jnp.zeros(col.shape, jnp.bool_)
+        for i, (step, is_real) in enumerate(zip(steps, real)):
+            here = (token // (page_rows // cfg.kv_heads)) == i
+            base = sched.logical_page(step) * cfg.page_size + chunk * (page_rows // cfg.kv_heads)
+            pos = jnp.where(here, base + token % (page_rows // cfg.kv_heads), pos)
+            ok = ok | (here & is_real)
+        return pos, ok & (pos < length)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+
+    @pl.when(tiles > 0)
+    def _():
+        fetch(0, 0)
+
+    plgpu.barrier_wait(q_bar)
+
+    def body(t, carry):
+        acc, m, l = carry
+        slot = t % 2
+
+        @pl.when(t + 1 < tiles)
+        def _():
+            fetch(t + 1, 1 - slot)
+
+        plgpu.barrier_wait(kv_bars.at[slot])
+        # V rows that no query may read -> 0 (p is 0 there, but 0 * NaN is not)
+        v_row = _iota((n, cfg.head_dim), 0, cfg)
+        _, v_ok = key_positions(t, v_row)
+        k_src, v_src = k_stage.at[slot], v_stage.at[slot]
+        if cfg.quantized:  # convert into the tiles the wgmmas read
+            k_src, v_src = converted
+            k_src[...] = k_stage[slot].astype(k_src.dtype)
+        v = v_stage[slot].astype(v_src.dtype)
+        v_src[...] = jnp.where(v_ok, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_src, (1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((cfg.rows, n), jnp.float32))
+        row, col = _iota((cfg.rows, n), 0, cfg), _iota((cfg.rows, n), 1, cfg)
+        key_pos, key_ok = key_positions(t, col)
+        if cfg.quantized:  # per-token key scale: a column scale of the scores
+            s = s * _columns(ks_stage[slot], s.shape, cfg)
+        vis = key_ok & (row // cfg.group == col % cfg.kv_heads) & visible(key_pos, query_pos, length, cfg.opts)
+        s = jnp.where(vis, cap_scores(s * cfg.scale, cfg.opts.soft_cap), MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(vis, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l = l * correction + p.sum(axis=1)
+        if cfg.quantized:  # per-token value scale: a column scale of the probabilities (unread scales may be NaN)
+            p = jnp.where(vis, p * _columns(vs_stage[slot], p.shape, cfg), 0.0)
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_src)
+            return acc_ref[...]
+
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + pl.run_scoped(
+            pv, plgpu.ACC((cfg.rows, cfg.head_dim), jnp.float32))
+        return acc, m_new, l
+
+    wgmma, row_vector = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    carry = (cast(jnp.full((cfg.rows, cfg.head_dim), 0.0, jnp.float32), wgmma),
+             cast(jnp.full((cfg.rows,), MASK_VALUE, jnp.float32), row_vector),
+             cast(jnp.full((cfg.rows,), 0.0, jnp.float32), row_vector))
+    acc, m, l = lax.fori_loop(0, tiles, body, carry)
+    acc_out[split, b] = acc  # registers -> GMEM: no SMEM left over for a staged copy at head_dim 256
+    m_out[split, b] = m
+    l_out[split, b] = l
+
+
+def _iota(shape, dim: int, cfg: MgpuTiles) -> jax.Array:
+    """i32 iota in the wgmma register layout (plain in interpret mode, which has no layouts)."""
+    if cfg.interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _columns(scales: jax.Array, shape, cfg: MgpuTiles) -> jax.Array:
+    """f32[N] per-key scales -> broadcast over the rows of a [rows, N] tile."""
+    if not cfg.interpret:
+        scales = plgpu.layout_cast(scales, plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(scales, shape, [1])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "opts", "k_splits", "interpret"))
+def paged_decode_mgpu(
+    q: jax.Array,
+    pages: KernelPages,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    query_pos: jax.Array | None = None,
+    sink_logits: jax.Array | None = None,
+    slots: jax.Array | None = None,
+    *,
+    scale: float,
+    opts: AttentionOptions = AttentionOptions(),
+    k_splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention through block tables -> [B, Hq, Dh] (the module docstring; the same
+    contract as `paged_decode_gpu`; `slots` is accepted for the common signature and unused:
+    no KIVI tails here). `interpret=True` runs jax's GPU interpreter on CPU."""
+    del slots
+    b, hq, dh = q.shape
+    query_pos = lengths - 1 if query_pos is None else query_pos
+    pages.validate()
+    check_decode_shapes(q, pages, block_tables, lengths, query_pos)
+    check_sink_logits(sink_logits, hq)
+    check_mgpu_shapes(pages, hq)
+    hkv, page_size, max_pages = pages.num_kv_heads, pages.page_size, block_tables.shape[1]
+    group = hq // hkv
+    rows, ppb, chunks = tiles_for(pages, hq)
+    steps = decode_steps(max_pages, page_size, opts)
+    splits = k_splits or max(1, min(cdiv(steps, ppb), cdiv(132 * 2, b)))  # ~2 programs per SM of an H100
+    steps_per_split = cdiv(cdiv(steps, splits), ppb) * ppb
+    dtype = compute_dtype(pages)
+    cfg = MgpuTiles(pages.format, page_size, hkv, group, rows, dh, ppb, chunks, steps_per_split, opts, scale,
+                    interpret is not False)
+    n = cfg.keys
+    # [P, S, Hkv, ...] -> [P, chunks, S * Hkv / chunks, ...]: a TMA copy takes one (page, chunk)
+    flat = lambda a: a.reshape(a.shape[0], chunks, page_size * hkv // chunks, *a.shape[3:])
+    operands = [flat(pages.k), flat(pages.v)]
+    if cfg.quantized:  # f32: a page's scales are then a whole number of 128-byte TMA units
+        operands += [flat(pages.k_scale.astype(jnp.float32)), flat(pages.v_scale.astype(jnp.float32))]
+    stored = pages.k.dtype
+    q_rows = jnp.pad(q.astype(dtype), ((0, 0), (0, rows - hq), (0, 0)))  # row r: query head r
+    scratch = [
+        _swizzled((rows, dh), dtype),  # q
+        _swizzled((2, n, dh), stored), _swizzled((2, n, dh), stored),  # k, v stages
+        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),  # k, v scale stages
+        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),
+        _swizzled((rows, n), dtype),  # p
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=ppb * (4 if cfg.quantized else 2), num_barriers=2),
+    ]
+    if cfg.quantized:
+        scratch += [_swizzled((n, dh), dtype), _swizzled((n, dh), dtype)]  # k, v tiles the wgmmas read
+    def paged_decode_mgpu_kernel(*refs):  # the name a compile error shows
+        _kernel(*refs, cfg=cfg)
+
+    kernel = plgpu.kernel(
+        paged_decode_mgpu_kernel,
+        out_type=(jax.ShapeDtypeStruct((splits, b, rows, dh), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, b, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, b, rows), jnp.float32)),
+        grid=(b, splits), grid_names=("b", "s"), scratch_types=scratch,
+        interpret=mgpu_interpret.install() if interpret else None,
+    )
+    acc, m, l = kernel(lengths.astype(jnp.int32), query_pos.astype(jnp.int32), block_tables.astype(jnp.int32),
+                       q_rows, *operands)
+    m, l, acc = merge_partials(m[..., None], l[..., None], acc)  # [B, rows, ...]
+    sink = None
+    if sink_logits is not None:
+        sink = jnp.broadcast_to(jnp.pad(sink_logits.astype(jnp.float32), (0, rows - hq))[None, :, None], (b, rows, 1))
+    return finalize(m, l, acc, sink)[:, :hq].astype(q.dtype)

@@ -1,0 +1,82 @@
+"""The Mosaic GPU decode kernel (pallas_kernels/paged_decode_mgpu.py) in jax's GPU interpret mode
+against jaxinfer's reference.
+
+The kernel computes both matmuls in bf16 (f16 for fp8 pages) with f32 accumulation, so every
+case is held to the bf16 tolerance of pallas_cases.TOLERANCES, f32 queries included. Inputs
+are NaN wherever no sequence may read (pallas_cases): past each length, unowned pages, pages
+behind a window.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_cases import assert_close, make_case, reference
+from pallas_kernels.common import AttentionOptions
+from pallas_kernels.formats import from_layer_kv
+from pallas_kernels.paged_decode_mgpu import check_mgpu_shapes, paged_decode_mgpu, tiles_for
+
+PAGE = 16
+EDGE_LENGTHS = [0, 1, PAGE, PAGE + 1, 3 * PAGE + 5]
+OPTIONS = dict(window=21, num_sinks=3, soft_cap=4.0)
+
+
+def _run(case, opts=AttentionOptions(), sink_logits=None, **kw):
+    out = paged_decode_mgpu(case.q[:, 0], from_layer_kv(case.layer), case.block_tables, case.lengths,
+                            case.query_index[:, 0], sink_logits, scale=case.scale, opts=opts, interpret=True, **kw)
+    return out[:, None]
+
+
+@pytest.mark.parametrize("fmt,dtype", [
+    ("dense", "bfloat16"), ("dense", "float16"), ("int8", "float32"), ("int8", "bfloat16"),
+    ("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float32"),
+])
+def test_mgpu_decode_every_format(fmt, dtype):
+    """8 query / 2 KV heads, head_dim 64, pages of 16: two pages per 64-key tile."""
+    case = make_case(fmt, dtype, EDGE_LENGTHS, heads=(8, 2), head_dim=64, page=PAGE)
+    assert_close(_run(case), reference(case), "bfloat16")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int8"])
+def test_mgpu_decode_window_sinks_softcap_split_k(fmt):
+    """Window + sink tokens + soft cap + sink logits over 3 splits; pages wholly behind the
+    window are poisoned (never read)."""
+    case = make_case(fmt, "bfloat16", [60, 64, 37, 23], heads=(8, 2), head_dim=64, page=PAGE,
+                     poison_pages=[(0, 1), (1, 1)])
+    sinks = jnp.linspace(-2.0, 1.5, 8)
+    out = _run(case, AttentionOptions(**OPTIONS), sinks, k_splits=3)
+    assert_close(out, reference(case, sink_logits=sinks, **OPTIONS), "bfloat16")
+
+
+@pytest.mark.parametrize("heads,page,fmt", [((32, 8), 16, "int8"), ((16, 8), 64, "dense")])
+def test_mgpu_decode_production_shapes(heads, page, fmt):
+    """head_dim 128: a 128-key page per tile (32/8 heads, page 16), and a page of 512 keys
+    (8 heads x 64 tokens) read in four chunks."""
+    case = make_case(fmt, "bfloat16", [0, 1, page + 3, 2 * page], heads=heads, head_dim=128, page=page, max_pages=3)
+    assert_close(_run(case), reference(case), "bfloat16")
+
+
+def test_tiles():
+    """Keys per tile: two 32-key pages; one 128-key page; a 512-key page in chunks of 128 (256
+    would need 256 KiB of double-buffered bf16 stages), of 64 at head_dim 256; 128 query rows
+    (two row blocks)."""
+    def tiles(fmt, heads, page, dh=128):
+        return tiles_for(from_layer_kv(make_case(fmt, "bfloat16", [1], heads=heads, head_dim=dh, page=page).layer),
+                         heads[0])
+    assert tiles("int8", (8, 2), 16) == (64, 2, 1)
+    assert tiles("dense", (32, 8), 16) == (64, 1, 1)
+    assert tiles("dense", (16, 8), 64) == (64, 1, 4)
+    assert tiles("dense", (128, 8), 16) == (128, 1, 1)
+    assert tiles("dense", (16, 8), 64, dh=256) == (64, 1, 8)
+
+
+def test_mgpu_refuses_what_it_cannot_read():
+    """f32 and KIVI pages, head_dim not a multiple of 64, or scales under one TMA unit: a
+    ValueError naming the reason (the dispatch then runs the Triton kernel)."""
+    for fmt, dtype, heads, dh, match in [("dense", "float32", (8, 2), 64, "bf16/f16"), ("int4", "float32", (8, 2), 64, "int4"),
+                                         ("dense", "bfloat16", (8, 2), 16, "multiple of 64"),
+                                         ("int8", "float32", (8, 1), 64, "multiple of 32")]:
+        case = make_case(fmt, dtype, [5], heads=heads, head_dim=dh, page=PAGE)
+        with pytest.raises(ValueError, match=match):
+            check_mgpu_shapes(from_layer_kv(case.layer), heads[0])
