@@ -11,9 +11,9 @@ and the Pallas lowering to the target's kernel dialect::
     cuda_sm90   cuda      Pallas Triton (__gpu$xla.gpu.triton) nothing chip-specific; the custom
                                                                call is not export-stable, so its
                                                                safety check is disabled
-    cuda_sm90_mosaic cuda Pallas Mosaic GPU (mosaic_gpu_v2)    decode only, the formats and shapes
-                                                               `paged_decode_mgpu` takes (the rest
-                                                               is dispatched to Triton)
+    cuda_sm90_mosaic cuda Pallas Mosaic GPU (mosaic_gpu_v2)    decode and prefill, the formats and
+                                                               shapes paged_attention_mgpu takes
+                                                               (the rest is dispatched to Triton)
 
 What it does not prove: the device-side compilers (libtpu's Mosaic passes, Triton's PTX
 compile) run only on the device; `benchmarks/device_check.py` runs the kernels there.
@@ -123,14 +123,14 @@ def abstract_pages(fmt: str, shape: Shape, dtype=jnp.bfloat16) -> KernelPages:
 
 def kernel_function(kernel: str, platform: str, mosaic_gpu: bool = False):
     """The kernel entry point of `kernel` (one of KERNELS) for `platform` ("tpu" | "cuda"; on
-    CUDA the Mosaic GPU decode kernel with `mosaic_gpu`)."""
+    CUDA the Mosaic GPU kernels with `mosaic_gpu`)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
     if mosaic_gpu:
-        if kernel != "decode":
-            raise ValueError(f"no Mosaic GPU kernel for {kernel!r} (the Triton one runs there)")
-        from pallas_kernels.paged_decode_mgpu import paged_decode_mgpu
-        return paged_decode_mgpu
+        if kernel == "mla_decode":
+            raise ValueError("no Mosaic GPU kernel for 'mla_decode' (the Triton one runs there)")
+        from pallas_kernels.paged_attention_mgpu import chunked_prefill_mgpu, paged_decode_mgpu
+        return paged_decode_mgpu if kernel == "decode" else chunked_prefill_mgpu
     if kernel == "mla_decode":
         from pallas_kernels.mla_decode_gpu import mla_decode_gpu
         from pallas_kernels.mla_decode_tpu import mla_decode_tpu
@@ -207,18 +207,14 @@ def matrix(sweep_formats: tuple[str, ...] = ("dense", "int4", "int2")) -> list[t
 
 
 def mosaic_matrix() -> list[tuple[str, str, str, Shape, bool]]:
-    """The Mosaic GPU decode kernel: its formats x options at BASE and SWEEP, where the dispatch
-    would run it (`check_mgpu_shapes`; elsewhere the Triton kernel, lowered above)."""
-    from pallas_kernels.paged_decode_mgpu import MGPU_FORMATS, check_mgpu_shapes
+    """The Mosaic GPU kernels (decode, prefill): their formats x options at BASE and SWEEP, where
+    the dispatch runs them (`mgpu_supports`; elsewhere the Triton kernels, lowered above)."""
+    from pallas_kernels.paged_attention_mgpu import MGPU_FORMATS, mgpu_supports
 
-    rows = []
-    for shape, fmt, with_options in itertools.product((BASE, *SWEEP), MGPU_FORMATS, (False, True)):
-        try:
-            check_mgpu_shapes(abstract_pages(fmt, shape), shape.q_heads)
-        except ValueError:
-            continue
-        rows.append(("decode", "cuda_sm90_mosaic", fmt, shape, with_options))
-    return rows
+    kernels, shapes = ("decode", "prefill"), (BASE, *SWEEP)
+    return [(k, "cuda_sm90_mosaic", f, s, o) for k, s, f, o in itertools.product(kernels, shapes, MGPU_FORMATS,
+                                                                                 (False, True))
+            if mgpu_supports(abstract_pages(f, s), s.q_heads, decode=k == "decode")]
 
 
 def main() -> int:

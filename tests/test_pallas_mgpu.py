@@ -15,7 +15,7 @@ import pytest
 from pallas_cases import assert_close, make_case, reference
 from pallas_kernels.common import AttentionOptions
 from pallas_kernels.formats import from_layer_kv
-from pallas_kernels.paged_decode_mgpu import check_mgpu_shapes, paged_decode_mgpu, tiles_for
+from pallas_kernels.paged_attention_mgpu import check_mgpu_shapes, chunked_prefill_mgpu, paged_decode_mgpu, tiles_for
 
 PAGE = 16
 EDGE_LENGTHS = [0, 1, PAGE, PAGE + 1, 3 * PAGE + 5]
@@ -62,13 +62,14 @@ def test_tiles():
     would need 256 KiB of double-buffered bf16 stages), of 64 at head_dim 256; 128 query rows
     (two row blocks)."""
     def tiles(fmt, heads, page, dh=128):
+        rows = 64 * -(-heads[0] // 64)
         return tiles_for(from_layer_kv(make_case(fmt, "bfloat16", [1], heads=heads, head_dim=dh, page=page).layer),
-                         heads[0])
-    assert tiles("int8", (8, 2), 16) == (64, 2, 1)
-    assert tiles("dense", (32, 8), 16) == (64, 1, 1)
-    assert tiles("dense", (16, 8), 64) == (64, 1, 4)
-    assert tiles("dense", (128, 8), 16) == (128, 1, 1)
-    assert tiles("dense", (16, 8), 64, dh=256) == (64, 1, 8)
+                         rows)
+    assert tiles("int8", (8, 2), 16) == (2, 1)
+    assert tiles("dense", (32, 8), 16) == (1, 1)
+    assert tiles("dense", (16, 8), 64) == (1, 4)
+    assert tiles("dense", (128, 8), 16) == (1, 1)
+    assert tiles("dense", (16, 8), 64, dh=256) == (1, 8)
 
 
 def test_mgpu_refuses_what_it_cannot_read():
@@ -79,4 +80,29 @@ def test_mgpu_refuses_what_it_cannot_read():
                                          ("int8", "float32", (8, 1), 64, "multiple of 32")]:
         case = make_case(fmt, dtype, [5], heads=heads, head_dim=dh, page=PAGE)
         with pytest.raises(ValueError, match=match):
-            check_mgpu_shapes(from_layer_kv(case.layer), heads[0])
+            check_mgpu_shapes(from_layer_kv(case.layer), 64)
+
+
+def _prefill(case, opts=AttentionOptions(), sink_logits=None):
+    return chunked_prefill_mgpu(case.q, from_layer_kv(case.layer), case.block_tables, case.lengths, case.query_index,
+                                sink_logits, scale=case.scale, opts=opts, interpret=True)
+
+
+@pytest.mark.parametrize("fmt,dtype", [("dense", "bfloat16"), ("int8", "float32"), ("fp8_e4m3", "bfloat16")])
+def test_mgpu_prefill_edge_lengths(fmt, dtype):
+    """A chunk of 3 queries per sequence, causal inside the chunk, over cached prefixes ending at
+    0 (idle row), 1 (a chunk padded past its one real token), a page multiple, and more."""
+    case = make_case(fmt, dtype, [0, 1, PAGE, 3 * PAGE + 5], [0, 0, PAGE - 3, 2 * PAGE], t=3, heads=(8, 2),
+                     head_dim=64, page=PAGE)
+    assert_close(_prefill(case), reference(case), "bfloat16")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "int8"])
+def test_mgpu_prefill_query_blocks_window_sinks_softcap(fmt):
+    """32 query heads: blocks of 2 queries (64 rows), 5 queries in 3 blocks, each walking only
+    the pages its own queries see; pages behind every window are poisoned."""
+    case = make_case(fmt, "bfloat16", [60, 64, 37, 23], t=5, heads=(32, 8), head_dim=64, page=PAGE,
+                     poison_pages=[(0, 1), (1, 1)])
+    sinks = jnp.linspace(-2.0, 1.5, 32)
+    out = _prefill(case, AttentionOptions(**OPTIONS), sinks)
+    assert_close(out, reference(case, sink_logits=sinks, **OPTIONS), "bfloat16")

@@ -41,9 +41,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import (MASK_VALUE, AttentionOptions, cap_scores, cdiv, check_decode_shapes,
-                                   check_sink_logits, decode_steps, finalize, merge_partials, page_schedule, visible)
 from pallas_kernels import mgpu_interpret
+from pallas_kernels.common import (MASK_VALUE, AttentionOptions, cap_scores, cdiv, check_decode_shapes,
+                                   check_prefill_shapes, check_sink_logits, decode_steps, finalize, merge_partials,
+                                   page_schedule, visible)
 from pallas_kernels.formats import KernelPages
 
 MGPU_FORMATS = ("dense", "int8", "fp8_e4m3", "fp8_e5m2")  # KIVI packs channels: Triton kernel
@@ -58,6 +59,7 @@ class MgpuTiles:
     fmt: str
     page_size: int
     kv_heads: int
+    q_heads: int  # row r holds query head r % q_heads
     group: int  # query heads per KV head
     rows: int  # query rows, a multiple of 64
     head_dim: int
@@ -78,19 +80,18 @@ class MgpuTiles:
         return self.fmt != "dense"
 
 
-def tiles_for(pages: KernelPages, q_heads: int) -> tuple[int, int, int]:
-    """(rows, pages per tile, chunks per page). A tile holds a multiple of 64 keys (the V
+def tiles_for(pages: KernelPages, rows: int) -> tuple[int, int]:
+    """(pages per tile, chunks per page) for `rows` query rows. A tile holds a multiple of 64 keys (the V
     tile's register layout): several small pages, one page, or a chunk of a large one, as
     many keys as fit SMEM (`smem_bytes`) up to 256 (wgmma's largest N; 128 for row blocks
     over 64, whose registers run out first)."""
-    rows = ROWS * cdiv(q_heads, ROWS)
     page_keys = pages.page_size * pages.num_kv_heads
     if page_keys <= ROWS:
-        return rows, max(1, ROWS // page_keys), 1
+        return max(1, ROWS // page_keys), 1
     chunks = max(1, page_keys // (MAX_KEYS if rows == ROWS else MAX_KEYS // 2))
     while smem_bytes(pages, rows, page_keys // chunks) > SMEM_BYTES and page_keys // chunks > ROWS:
         chunks *= 2
-    return rows, 1, chunks
+    return 1, chunks
 
 
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
@@ -100,15 +101,15 @@ def smem_bytes(pages: KernelPages, rows: int, keys: int) -> int:
     """Shared memory of one program: double-buffered K/V stages (+ f32 scales and the tiles a
     quantized format converts into), the queries and the probabilities."""
     dh, stored, compute = pages.head_dim, jnp.dtype(pages.k.dtype).itemsize, jnp.dtype(compute_dtype(pages)).itemsize
-    total = 2 * 2 * keys * dh * stored + rows * dh * compute + rows * keys * compute
+    total = 2 * 2 * keys * dh * stored + rows * dh * compute + rows * keys * compute + rows * 4
     if pages.format != "dense":
         total += 2 * keys * dh * compute + 2 * 2 * keys * 4
     return total
 
 
-def check_mgpu_shapes(pages: KernelPages, q_heads: int) -> None:
-    """What this kernel's tiles need; raises ValueError naming the size (the dispatch then
-    uses the Triton kernel)."""
+def check_mgpu_shapes(pages: KernelPages, rows: int) -> None:
+    """What this kernel's tiles need for `rows` query rows; raises ValueError naming the size
+    (the dispatch then uses the Triton kernel)."""
     if pages.format not in MGPU_FORMATS:
         raise ValueError(f"the Mosaic GPU decode kernel reads {MGPU_FORMATS} pages, not {pages.format}")
     if pages.format == "dense" and pages.k.dtype not in (jnp.bfloat16, jnp.float16):
@@ -116,7 +117,7 @@ def check_mgpu_shapes(pages: KernelPages, q_heads: int) -> None:
     dh, page_keys = pages.head_dim, pages.page_size * pages.num_kv_heads
     if dh % 64:
         raise ValueError(f"head_dim={dh} must be a multiple of 64 (the 128-byte swizzled SMEM tiles)")
-    rows, ppb, chunks = tiles_for(pages, q_heads)
+    ppb, chunks = tiles_for(pages, rows)
     keys = ppb * page_keys // chunks
     if keys % ROWS or page_keys % chunks or (ppb > 1 and ROWS % page_keys):
         raise ValueError(f"page_size * kv_heads = {page_keys} must divide 64 or be a multiple of it")
@@ -125,6 +126,25 @@ def check_mgpu_shapes(pages: KernelPages, q_heads: int) -> None:
     if pages.format != "dense" and (page_keys // chunks) % 32:
         # a TMA copy moves a multiple of 128 bytes: one page's f32 scales
         raise ValueError(f"page_size * kv_heads = {page_keys} must be a multiple of 32 for {pages.format} pages")
+
+
+def query_rows(q_heads: int, decode: bool) -> int:
+    """Rows of a program's query tile: decode, the query heads padded to 64; prefill, 64 (128
+    past 64 heads) holding rows / Hq queries of all heads."""
+    if decode:
+        return ROWS * cdiv(q_heads, ROWS)
+    if q_heads > 2 * ROWS:
+        raise ValueError(f"the Mosaic GPU prefill kernel takes up to {2 * ROWS} query heads, not {q_heads}")
+    return ROWS if q_heads <= ROWS else 2 * ROWS
+
+
+def mgpu_supports(pages: KernelPages, q_heads: int, *, decode: bool) -> bool:
+    """Do the Mosaic GPU kernels take these pages and heads (else the Triton ones run)?"""
+    try:
+        check_mgpu_shapes(pages, query_rows(q_heads, decode))
+    except ValueError:
+        return False
+    return True
 
 
 def compute_dtype(pages: KernelPages):
@@ -140,17 +160,17 @@ def _swizzled(shape, dtype) -> plgpu.SMEM:
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(row_bytes)))
 
 
-def _kernel(lengths_ref, query_pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, cfg: MgpuTiles):
+def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, v_ref, *refs, cfg: MgpuTiles):
     if cfg.quantized:
         k_scale_ref, v_scale_ref, acc_out, m_out, l_out, *scratch = refs
     else:
         k_scale_ref = v_scale_ref = None
         acc_out, m_out, l_out, *scratch = refs
-    q_smem, k_stage, v_stage, ks_stage, vs_stage, p_smem, q_bar, kv_bars, *converted = scratch  # quantized: k, v tiles
+    q_smem, row_pos_smem, k_stage, v_stage, ks_stage, vs_stage, p_smem, q_bar, kv_bars, *converted = scratch  # quantized: k, v tiles
     cast = (lambda x, layout: x) if cfg.interpret else plgpu.layout_cast  # interpret mode has no layouts
-    b, split = lax.axis_index("b"), lax.axis_index("s")
-    length, query_pos = lengths_ref[b], query_pos_ref[b]
-    sched = page_schedule(length, query_pos, query_pos, cfg.page_size, cfg.opts)
+    b, block, split = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("s")
+    length, q_lo, q_hi = lengths_ref[b], q_lo_ref[b, block], q_hi_ref[b, block]
+    sched = page_schedule(length, q_lo, q_hi, cfg.page_size, cfg.opts)
     start = split * cfg.steps_per_split
     stop = jnp.minimum(start + cfg.steps_per_split, sched.count)
     ppb, chunks, n = cfg.pages_per_step, cfg.chunks, cfg.keys
@@ -189,13 +209,16 @@ def _kernel(lengths_ref, query_pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, cfg:
             ok = ok | (here & is_real)
         return pos, ok & (pos < length)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, block], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(row_pos_ref.at[b, block], row_pos_smem, q_bar)
 
     @pl.when(tiles > 0)
     def _():
         fetch(0, 0)
 
     plgpu.barrier_wait(q_bar)
+    row_pos = row_pos_smem[...] if cfg.interpret else plgpu.load(  # i32[rows]: cache position of row r's query
+        row_pos_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
 
     def body(t, carry):
         acc, m, l = carry
@@ -226,7 +249,9 @@ def _kernel(lengths_ref, query_pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, cfg:
         key_pos, key_ok = key_positions(t, col)
         if cfg.quantized:  # per-token key scale: a column scale of the scores
             s = s * _columns(ks_stage[slot], s.shape, cfg)
-        vis = key_ok & (row // cfg.group == col % cfg.kv_heads) & visible(key_pos, query_pos, length, cfg.opts)
+        row_head = (row % cfg.q_heads) // cfg.group  # KV head of row r's query head
+        vis = key_ok & (row_head == col % cfg.kv_heads) & visible(
+            key_pos, lax.broadcast_in_dim(row_pos, s.shape, [0]), length, cfg.opts)
         s = jnp.where(vis, cap_scores(s * cfg.scale, cfg.opts.soft_cap), MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         correction = jnp.exp(m - m_new)
@@ -250,9 +275,9 @@ def _kernel(lengths_ref, query_pos_ref, bt_ref, q_ref, k_ref, v_ref, *refs, cfg:
              cast(jnp.full((cfg.rows,), MASK_VALUE, jnp.float32), row_vector),
              cast(jnp.full((cfg.rows,), 0.0, jnp.float32), row_vector))
     acc, m, l = lax.fori_loop(0, tiles, body, carry)
-    acc_out[split, b] = acc  # registers -> GMEM: no SMEM left over for a staged copy at head_dim 256
-    m_out[split, b] = m
-    l_out[split, b] = l
+    acc_out[split, b, block] = acc  # registers -> GMEM: no SMEM left over for a staged copy at head_dim 256
+    m_out[split, b, block] = m
+    l_out[split, b, block] = l
 
 
 def _iota(shape, dim: int, cfg: MgpuTiles) -> jax.Array:
@@ -267,6 +292,62 @@ def _columns(scales: jax.Array, shape, cfg: MgpuTiles) -> jax.Array:
     if not cfg.interpret:
         scales = plgpu.layout_cast(scales, plgpu.Layout.WGMMA.reduce(0))
     return lax.broadcast_in_dim(scales, shape, [1])
+
+
+def _attend(q_rows, row_pos, q_lo, q_hi, pages: KernelPages, block_tables, lengths, *, q_heads: int, splits: int,
+            steps_per_split: int, scale: float, opts: AttentionOptions, interpret: bool):
+    """Run the kernel over query row blocks -> partials (m, l f32[splits, B, blocks, rows, 1], acc
+    f32[..., rows, Dh]). q_rows [B, blocks, rows, Dh] (row r: query head r % q_heads), row_pos
+    i32[B, blocks, rows] (-1: padding, sees nothing), q_lo / q_hi i32[B, blocks]."""
+    b, blocks, rows, dh = q_rows.shape
+    hkv, page_size = pages.num_kv_heads, pages.page_size
+    ppb, chunks = tiles_for(pages, rows)
+    cfg = MgpuTiles(pages.format, page_size, hkv, q_heads, q_heads // hkv, rows, dh, ppb, chunks, steps_per_split,
+                    opts, scale, interpret)
+    n, dtype, stored = cfg.keys, compute_dtype(pages), pages.k.dtype
+    # [P, S, Hkv, ...] -> [P, chunks, S * Hkv / chunks, ...]: a TMA copy takes one (page, chunk)
+    flat = lambda a: a.reshape(a.shape[0], chunks, page_size * hkv // chunks, *a.shape[3:])
+    operands = [flat(pages.k), flat(pages.v)]
+    if cfg.quantized:  # f32: a page's scales are then a whole number of 128-byte TMA units
+        operands += [flat(pages.k_scale.astype(jnp.float32)), flat(pages.v_scale.astype(jnp.float32))]
+    scratch = [
+        _swizzled((rows, dh), dtype), plgpu.SMEM((rows,), jnp.int32),  # q, row positions
+        _swizzled((2, n, dh), stored), _swizzled((2, n, dh), stored),  # k, v stages
+        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),  # k, v scale stages
+        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),
+        _swizzled((rows, n), dtype),  # p
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=ppb * (4 if cfg.quantized else 2), num_barriers=2),
+    ]
+    if cfg.quantized:
+        scratch += [_swizzled((n, dh), dtype), _swizzled((n, dh), dtype)]  # k, v tiles the wgmmas read
+
+    def paged_attention_mgpu_kernel(*refs):  # the name a compile error shows
+        _kernel(*refs, cfg=cfg)
+
+    f32 = jnp.float32
+    kernel = plgpu.kernel(
+        paged_attention_mgpu_kernel,
+        out_type=(jax.ShapeDtypeStruct((splits, b, blocks, rows, dh), f32),
+                  jax.ShapeDtypeStruct((splits, b, blocks, rows), f32),
+                  jax.ShapeDtypeStruct((splits, b, blocks, rows), f32)),
+        grid=(b, blocks, splits), grid_names=("b", "j", "s"), scratch_types=scratch,
+        interpret=mgpu_interpret.install() if interpret else None,
+    )
+    acc, m, l = kernel(lengths.astype(jnp.int32), q_lo, q_hi, block_tables.astype(jnp.int32), row_pos,
+                       q_rows.astype(dtype), *operands)
+    return m[..., None], l[..., None], acc
+
+
+def _finish(m, l, acc, sink_logits, q_heads: int) -> jax.Array:
+    """Merge the splits, add the sink logits (row r: head r % q_heads) -> f32[B, blocks, rows, Dh]."""
+    m, l, acc = merge_partials(m, l, acc)
+    sink = None
+    if sink_logits is not None:
+        rows = acc.shape[-2]
+        sink = sink_logits.astype(jnp.float32)[jnp.arange(rows) % q_heads]
+        sink = jnp.broadcast_to(sink[:, None], (*acc.shape[:-1], 1))
+    return finalize(m, l, acc, sink)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "opts", "k_splits", "interpret"))
@@ -284,59 +365,68 @@ def paged_decode_mgpu(
     k_splits: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Decode attention through block tables -> [B, Hq, Dh] (the module docstring; the same
-    contract as `paged_decode_gpu`; `slots` is accepted for the common signature and unused:
-    no KIVI tails here). `interpret=True` runs jax's GPU interpreter on CPU."""
+    """Decode attention through block tables -> [B, Hq, Dh]: the contract of `paged_decode_gpu`
+    (`slots` is accepted for the common signature and unused: no KIVI tails here). Rows are the
+    query heads; the key axis is split over `k_splits` programs (flash-decoding).
+    `interpret=True` runs jax's GPU interpreter on CPU."""
     del slots
     b, hq, dh = q.shape
     query_pos = lengths - 1 if query_pos is None else query_pos
     pages.validate()
     check_decode_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)
-    check_mgpu_shapes(pages, hq)
-    hkv, page_size, max_pages = pages.num_kv_heads, pages.page_size, block_tables.shape[1]
-    group = hq // hkv
-    rows, ppb, chunks = tiles_for(pages, hq)
-    steps = decode_steps(max_pages, page_size, opts)
+    rows = query_rows(hq, decode=True)
+    check_mgpu_shapes(pages, rows)
+    ppb, _ = tiles_for(pages, rows)
+    steps = decode_steps(block_tables.shape[1], pages.page_size, opts)
     splits = k_splits or max(1, min(cdiv(steps, ppb), cdiv(132 * 2, b)))  # ~2 programs per SM of an H100
-    steps_per_split = cdiv(cdiv(steps, splits), ppb) * ppb
-    dtype = compute_dtype(pages)
-    cfg = MgpuTiles(pages.format, page_size, hkv, group, rows, dh, ppb, chunks, steps_per_split, opts, scale,
-                    interpret is not False)
-    n = cfg.keys
-    # [P, S, Hkv, ...] -> [P, chunks, S * Hkv / chunks, ...]: a TMA copy takes one (page, chunk)
-    flat = lambda a: a.reshape(a.shape[0], chunks, page_size * hkv // chunks, *a.shape[3:])
-    operands = [flat(pages.k), flat(pages.v)]
-    if cfg.quantized:  # f32: a page's scales are then a whole number of 128-byte TMA units
-        operands += [flat(pages.k_scale.astype(jnp.float32)), flat(pages.v_scale.astype(jnp.float32))]
-    stored = pages.k.dtype
-    q_rows = jnp.pad(q.astype(dtype), ((0, 0), (0, rows - hq), (0, 0)))  # row r: query head r
-    scratch = [
-        _swizzled((rows, dh), dtype),  # q
-        _swizzled((2, n, dh), stored), _swizzled((2, n, dh), stored),  # k, v stages
-        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),  # k, v scale stages
-        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),
-        _swizzled((rows, n), dtype),  # p
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=ppb * (4 if cfg.quantized else 2), num_barriers=2),
-    ]
-    if cfg.quantized:
-        scratch += [_swizzled((n, dh), dtype), _swizzled((n, dh), dtype)]  # k, v tiles the wgmmas read
-    def paged_decode_mgpu_kernel(*refs):  # the name a compile error shows
-        _kernel(*refs, cfg=cfg)
+    query_pos = query_pos.astype(jnp.int32)
+    row_pos = jnp.where(jnp.arange(rows) < hq, query_pos[:, None], -1)[:, None]  # [B, 1, rows]
+    q_rows = jnp.pad(q, ((0, 0), (0, rows - hq), (0, 0)))[:, None]  # [B, 1, rows, Dh]
+    partials = _attend(q_rows, row_pos, query_pos[:, None], query_pos[:, None], pages, block_tables, lengths,
+                       q_heads=hq, splits=splits, steps_per_split=cdiv(cdiv(steps, splits), ppb) * ppb,
+                       scale=scale, opts=opts, interpret=interpret)
+    return _finish(*partials, sink_logits, hq)[:, 0, :hq].astype(q.dtype)
 
-    kernel = plgpu.kernel(
-        paged_decode_mgpu_kernel,
-        out_type=(jax.ShapeDtypeStruct((splits, b, rows, dh), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, b, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, b, rows), jnp.float32)),
-        grid=(b, splits), grid_names=("b", "s"), scratch_types=scratch,
-        interpret=mgpu_interpret.install() if interpret else None,
-    )
-    acc, m, l = kernel(lengths.astype(jnp.int32), query_pos.astype(jnp.int32), block_tables.astype(jnp.int32),
-                       q_rows, *operands)
-    m, l, acc = merge_partials(m[..., None], l[..., None], acc)  # [B, rows, ...]
-    sink = None
-    if sink_logits is not None:
-        sink = jnp.broadcast_to(jnp.pad(sink_logits.astype(jnp.float32), (0, rows - hq))[None, :, None], (b, rows, 1))
-    return finalize(m, l, acc, sink)[:, :hq].astype(q.dtype)
+
+@functools.partial(jax.jit, static_argnames=("scale", "opts", "interpret"))
+def chunked_prefill_mgpu(
+    q: jax.Array,
+    pages: KernelPages,
+    block_tables: jax.Array,
+    lengths: jax.Array,
+    query_pos: jax.Array,
+    sink_logits: jax.Array | None = None,
+    slots: jax.Array | None = None,
+    *,
+    scale: float,
+    opts: AttentionOptions = AttentionOptions(),
+    interpret: bool = False,
+) -> jax.Array:
+    """A chunk of queries through block tables -> [B, T, Hq, Dh]: the contract of
+    `chunked_prefill_gpu`. A program owns block_q = rows / Hq queries of all heads (row
+    r = t * Hq + h, 64 rows, 128 past 64 heads) and walks the pages its queries can see."""
+    del slots
+    b, t, hq, dh = q.shape
+    pages.validate()
+    check_prefill_shapes(q, pages, block_tables, lengths, query_pos)
+    check_sink_logits(sink_logits, hq)
+    rows = query_rows(hq, decode=False)
+    check_mgpu_shapes(pages, rows)
+    ppb, _ = tiles_for(pages, rows)
+    block_q = rows // hq
+    blocks = cdiv(t, block_q)
+    pad_t = blocks * block_q - t
+    pos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1).reshape(b, blocks, block_q)
+    real = jnp.arange(blocks * block_q).reshape(blocks, block_q) < t
+    q_hi = jnp.max(jnp.where(real, pos, -1), axis=2)
+    q_lo = jnp.where(q_hi < 0, 0, jnp.min(jnp.where(real, pos, jnp.iinfo(jnp.int32).max), axis=2))
+    row_pad = ((0, 0), (0, 0), (0, rows - block_q * hq))
+    row_pos = jnp.pad(jnp.repeat(pos, hq, axis=2), row_pad, constant_values=-1)  # [B, blocks, rows]
+    q_rows = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0))).reshape(b, blocks, block_q * hq, dh)
+    q_rows = jnp.pad(q_rows, (*row_pad, (0, 0)))
+    partials = _attend(q_rows, row_pos, q_lo, q_hi, pages, block_tables, lengths, q_heads=hq, splits=1,
+                       steps_per_split=cdiv(block_tables.shape[1], ppb) * ppb, scale=scale, opts=opts,
+                       interpret=interpret)
+    out = _finish(*partials, sink_logits, hq)[:, :, :block_q * hq]  # [B, blocks, block_q * Hq, Dh]
+    return out.reshape(b, blocks * block_q, hq, dh)[:, :t].astype(q.dtype)
