@@ -35,9 +35,11 @@ from pallas_kernels.common import AttentionOptions, cdiv
 from pallas_kernels.formats import KERNEL_FORMATS, KernelPages
 
 KERNELS = ("decode", "prefill", "mla_decode")
+MOSAIC_GPU = "cuda_sm90_mosaic"  # the Mosaic GPU kernels (paged_attention_mgpu), what a Hopper GPU runs
 TARGETS = {"tpu_v5e": ("tpu", "TPU v5e"), "tpu_v6e": ("tpu", "TPU v6e"), "cuda_sm90": ("cuda", None),
-           "cuda_sm90_mosaic": ("cuda", "mosaic")}
-CUSTOM_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+           MOSAIC_GPU: ("cuda", "mosaic")}
+CUSTOM_CALL = {"tpu_v5e": "tpu_custom_call", "tpu_v6e": "tpu_custom_call", "cuda_sm90": "__gpu$xla.gpu.triton",
+               MOSAIC_GPU: "mosaic_gpu_v2"}
 # Production mask options (Gemma-3-like window, StreamingLLM sinks, Gemma-2 soft-cap), with sink logits.
 OPTIONS = AttentionOptions(window=1024, num_sinks=4, soft_cap=50.0)
 
@@ -186,7 +188,7 @@ def lower(kernel: str, target: str, fmt: str, shape: Shape | MlaShape = BASE, wi
         jitted = jax.jit(lambda *args: fn(*args, scale=scale, opts=opts))
         args = abstract_args(kernel, fmt, shape, with_options)
     if platform == "cuda":
-        check = jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda"])
+        check = jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL["cuda_sm90"])
         return jax.export.export(jitted, platforms=["cuda"], disabled_checks=[check])(*args).mlir_module()
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
@@ -199,7 +201,7 @@ def matrix(sweep_formats: tuple[str, ...] = ("dense", "int4", "int2")) -> list[t
     options x `sweep_formats` (default: the formats a shape could break differently, dense and
     the packed int4 / int2); for MLA decode every target x MLA_SHAPES (bf16, no options)."""
     paged = ("decode", "prefill")
-    triton = [t for t in TARGETS if t != "cuda_sm90_mosaic"]
+    triton = [t for t in TARGETS if t != MOSAIC_GPU]
     full = [(k, t, f, BASE, o) for k, t, f, o in itertools.product(paged, triton, KERNEL_FORMATS, (False, True))]
     sweep = [(k, t, f, s, True) for k, t, s, f in itertools.product(paged, triton, SWEEP, sweep_formats)]
     mla = [("mla_decode", t, "dense", s, False) for t, s in itertools.product(triton, MLA_SHAPES)]
@@ -212,7 +214,7 @@ def mosaic_matrix() -> list[tuple[str, str, str, Shape, bool]]:
     from pallas_kernels.paged_attention_mgpu import MGPU_FORMATS, mgpu_supports
 
     kernels, shapes = ("decode", "prefill"), (BASE, *SWEEP)
-    return [(k, "cuda_sm90_mosaic", f, s, o) for k, s, f, o in itertools.product(kernels, shapes, MGPU_FORMATS,
+    return [(k, MOSAIC_GPU, f, s, o) for k, s, f, o in itertools.product(kernels, shapes, MGPU_FORMATS,
                                                                                  (False, True))
             if mgpu_supports(abstract_pages(f, s), s.q_heads, decode=k == "decode")]
 

@@ -1,4 +1,4 @@
-"""Every kernel lowers for TPU v5e / v6e (Mosaic) and CUDA sm90 (Triton) at production shapes.
+"""Every kernel lowers for TPU v5e / v6e (Mosaic TPU) and CUDA sm90 (Triton, and Mosaic GPU) at production shapes.
 
 `pallas_kernels.lowering.matrix(("int4",))`: decode and chunked prefill x every cache format x
 (plain; window + sinks + sink logits + soft-cap) x target at 32 query / 8 KV heads, head_dim
@@ -6,8 +6,11 @@
 batch 64 and 8k contexts over int4 (packed: its channel parts are what a head_dim or page size
 can break); and the MLA latent decode kernel (bf16 latent cache, its only format) x target at
 DeepSeek-like shapes (r 512 + RoPE 64, 16 and 128 heads, pages 16 and 64, batch 8-64, to 8k).
-`python -m pallas_kernels.lowering` runs the sweep over dense and int2 too (144 in
-all, BENCHMARKS.md). Each export runs the kernel's whole Python-side lowering (block shapes,
+The Mosaic GPU kernels (decode and chunked prefill, `paged_attention_mgpu`) lower for every
+format they take (dense bf16, int8, fp8) x options at the base and sweep shapes where the
+dispatch runs them (`lowering.mosaic_matrix`: 68 exports; that export also checks each
+program's shared memory against an H100's 227 KiB). `python -m pallas_kernels.lowering` runs
+the Triton / TPU sweep over dense and int2 too (BENCHMARKS.md). Each export runs the kernel's whole Python-side lowering (block shapes,
 index maps, casts); the fp8 x CUDA rows failed here ("cannot cast ... to f8E4M3FN": a masked
 load's int fill) until gpu_tiles.masked_gather filled with the ref's own dtype. About 60 s of
 CPU for the 105 exports.
@@ -29,19 +32,20 @@ def _id(case) -> str:
 def test_kernel_lowers_for_target(case):
     kernel, target, fmt, shape, with_options = case
     module = lowering.lower(kernel, target, fmt, shape, with_options)
-    platform = lowering.TARGETS[target][0]
-    assert lowering.CUSTOM_CALL[platform] in module  # the kernel itself, not an XLA fallback
-    assert module.count(lowering.CUSTOM_CALL[platform]) == 1  # one kernel launch per call
+    assert module.count(lowering.CUSTOM_CALL[target]) == 1  # the kernel itself, not an XLA fallback; one launch
 
 
 def test_matrix_covers_the_claim():
     """The table in BENCHMARKS.md counts this matrix: every format, both option sets and every
     target at the base shape, and the sweep reaches MQA, head_dim 64 and 256, page 64, 8k."""
     cases = lowering.matrix(("int4",))
-    base = {(k, t, f, o) for k, t, f, s, o in cases if s == lowering.BASE}
-    assert len(base) == 2 * len(lowering.TARGETS) * 6 * 2  # decode, prefill
+    base = {(k, t, f, o) for k, t, f, s, o in cases if s == lowering.BASE and t != lowering.MOSAIC_GPU}
+    assert len(base) == 2 * 3 * 6 * 2  # decode, prefill x TPU v5e, v6e, CUDA (Triton) x formats x options
+    mosaic = {(k, f, o) for k, t, f, s, o in cases if s == lowering.BASE and t == lowering.MOSAIC_GPU}
+    assert len(mosaic) == 2 * 4 * 2  # decode, prefill x dense, int8, fp8_e4m3, fp8_e5m2 x options
+    assert len([c for c in cases if c[1] == lowering.MOSAIC_GPU]) == 68
     mla = [(t, s) for k, t, _, s, _ in cases if k == "mla_decode"]
-    assert len(mla) == len(lowering.TARGETS) * len(lowering.MLA_SHAPES)
+    assert len(mla) == 3 * len(lowering.MLA_SHAPES)
     assert {s.heads for _, s in mla} == {16, 128} and max(s.context for _, s in mla) == 8192
     shapes = {s for k, _, _, s, _ in cases if k != "mla_decode"}
     assert {s.head_dim for s in shapes} == {64, 128, 256}

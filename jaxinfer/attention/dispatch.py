@@ -13,13 +13,20 @@
 `impl` (the engine's `attention_impl`):
 
     "reference"            the jnp reference (`jaxinfer.attention.reference`)
-    "pallas"               the kernels of the backend: GPU (Triton-lowered) on GPU, TPU (Mosaic) on
-                           TPU; on CPU the GPU-style kernels in interpret mode (slow: tests only)
+    "pallas"               the kernels of the backend: GPU kernels on GPU, TPU (Mosaic TPU) on TPU;
+                           on CPU the GPU-style (Triton) kernels in interpret mode (slow: tests only)
     "pallas_gpu" / "pallas_tpu"   that target's kernels (interpret mode off their backend)
     "auto"                 kernels on GPU/TPU when they take this variant, cache and shapes, else
                            the reference (always the reference on CPU); the engine's default.
                            A program whose kernel fails to compile on the device falls back to
                            the reference (`jaxinfer.engine.Engine`, one warning per kernel)
+
+Which GPU kernel runs (`gpu_kernel_family`): on Hopper (compute capability 9.x: H100, H200)
+the Pallas Mosaic GPU kernels (`pallas_kernels.paged_attention_mgpu`: decode and chunked
+prefill over dense bf16/f16, int8 and fp8 pages, where their tiles fit); everywhere else, and
+for f32 or KIVI int4/int2 pages, the Pallas Triton kernels (`paged_decode_gpu`,
+`chunked_prefill_gpu`; Triton is deprecated from JAX 0.11 but is the only Pallas lowering
+before Hopper). MLA decode has a Triton kernel only.
 
 A kernel impl asked for a variant or cache it has no kernel for raises ValueError saying
 why; "auto" falls back to the reference. The kernels (`pallas_kernels`) know the cache
@@ -69,6 +76,8 @@ def paged_attention(
         raise ValueError(f"the {pages.format!r} cache keeps its current page per slot: pass slots=")
     opts = AttentionOptions(window=window, num_sinks=num_sinks, soft_cap=soft_cap)
     args = dict(scale=scale, opts=opts, interpret=interpret)
+    if target == "gpu" and gpu_kernel_family(pages, q.shape[2], q.shape[1] == 1, interpret) == "mosaic":
+        target = "mosaic_gpu"
     if q.shape[1] == 1:
         decode = _kernel(target, "decode")
         out = decode(q[:, 0], pages, block_tables, kv_lengths, query_index[:, 0], sink_logits, slots, **args)
@@ -153,11 +162,28 @@ def kernels_by_default(impl: str) -> bool:
     return impl == "auto" and backend() in ("gpu", "tpu")
 
 
-def kernel_names(target: str | None = None) -> tuple[str, str, str]:
-    """The `pallas_call` names of a target's kernels (default: this backend's): decode, chunked
-    prefill, MLA decode."""
+def kernel_names(target: str | None = None) -> tuple[str, ...]:
+    """The kernel names a target's compile errors show (default: this backend's): decode,
+    chunked prefill, MLA decode (and on GPU the Mosaic GPU kernel)."""
     target = target or ("tpu" if backend() == "tpu" else "gpu")
-    return f"paged_decode_{target}", f"chunked_prefill_{target}", f"mla_decode_{target}"
+    names = (f"paged_decode_{target}", f"chunked_prefill_{target}", f"mla_decode_{target}")
+    return (*names, "paged_attention_mgpu") if target == "gpu" else names
+
+
+def gpu_kernel_family(pages, q_heads: int, decode: bool, interpret: bool) -> str:
+    """"mosaic" (Pallas Mosaic GPU: on a Hopper GPU, for the pages and heads its tiles take) or
+    "triton" (everything else, and interpret mode on CPU)."""
+    if interpret or not hopper():
+        return "triton"
+    from pallas_kernels.paged_attention_mgpu import mgpu_supports
+
+    return "mosaic" if mgpu_supports(pages, q_heads, decode=decode) else "triton"
+
+
+def hopper() -> bool:
+    """Is the default device a Hopper GPU (compute capability 9.x), what Mosaic GPU's wgmma needs?"""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 def kernel_target(impl: str) -> tuple[str | None, bool]:
@@ -194,7 +220,7 @@ def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpre
         pages.validate()
     except ValueError as err:
         return str(err)
-    if target == "gpu" and not interpret:
+    if target == "gpu" and not interpret and gpu_kernel_family(pages, q.shape[2], q.shape[1] == 1, False) == "triton":
         from pallas_kernels.gpu_tiles import default_pages_per_block
         from pallas_kernels.paged_decode_gpu import check_triton_shapes
 
@@ -224,6 +250,9 @@ def _kernel(target: str, kind: str):
         from pallas_kernels.mla_decode_gpu import mla_decode_gpu as fn
     elif (target, kind) == ("tpu", "mla_decode"):
         from pallas_kernels.mla_decode_tpu import mla_decode_tpu as fn
+    elif target == "mosaic_gpu":
+        from pallas_kernels.paged_attention_mgpu import chunked_prefill_mgpu, paged_decode_mgpu
+        fn = paged_decode_mgpu if kind == "decode" else chunked_prefill_mgpu
     elif (target, kind) == ("gpu", "decode"):
         from pallas_kernels.paged_decode_gpu import paged_decode_gpu as fn
     elif (target, kind) == ("tpu", "decode"):
