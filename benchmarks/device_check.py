@@ -5,7 +5,8 @@
 1. Correctness: decode and chunked prefill x every cache format (bf16, int8, fp8_e4m3,
    fp8_e5m2, int4, int2) x (plain; window 40 + 4 sinks + sink logits + soft-cap 30) x
    (32 query / 8 KV heads; MQA 8 / 1), head_dim 128, page 16, bf16 queries, compiled for this
-   device (the GPU kernels: Pallas Triton; the TPU kernels: Mosaic) against jaxinfer's jnp
+   device (the GPU kernels: Pallas Triton, and on a Hopper GPU also Pallas Mosaic GPU for the
+   formats and heads it takes; the TPU kernels: Mosaic TPU) against jaxinfer's jnp
    reference. Edge lengths 0, 1, a page, a page + 1, 129 and 256 tokens (prefill: chunks of 5
    ending at 5 .. 256); NaN in every page no sequence owns, in positions past each length, in
    pages wholly behind the window (options rows) and in other slots' KIVI tails
@@ -48,13 +49,24 @@ TOLERANCE = 2.0**-5
 MLA_HEADS, MLA_RANK, MLA_ROPE_DIM = (16, 128), 512, 64
 
 
-def plan(smoke: bool) -> list[tuple[str, str, tuple[int, int], bool]]:
-    """(kernel, format, heads, with options) rows the check runs."""
+def plan(smoke: bool, mosaic: bool = False) -> list[tuple[str, str, tuple[int, int], bool, str]]:
+    """(kernel, format, heads, with options, kernel family) rows the check runs; `mosaic`: add
+    the Mosaic GPU kernels' rows (a Hopper GPU) where the dispatch would run them."""
     if smoke:
-        return [("decode", "int4", (8, 1), True), ("prefill", "fp8_e4m3", (8, 1), True),
-                ("mla_decode", "dense", (16, 1), False)]
+        return [("decode", "int4", (8, 1), True, "triton"), ("prefill", "fp8_e4m3", (8, 1), True, "triton"),
+                ("mla_decode", "dense", (16, 1), False, "triton"), ("decode", "int8", (32, 8), True, "mosaic")]
     paged = [(k, f, h, o) for k in ("decode", "prefill") for f in FORMATS for h in HEADS for o in (False, True)]
-    return paged + [("mla_decode", "dense", (h, 1), False) for h in MLA_HEADS]
+    rows = [(*row, "triton") for row in paged] + [("mla_decode", "dense", (h, 1), False, "triton") for h in MLA_HEADS]
+    return rows + [(*row, "mosaic") for row in paged if mosaic and mosaic_takes(*row)]
+
+
+def mosaic_takes(kernel: str, fmt: str, heads, with_options: bool) -> bool:
+    """Would the dispatch run the Mosaic GPU kernel for this row on a Hopper GPU?"""
+    from pallas_kernels.lowering import Shape, abstract_pages
+    from pallas_kernels.paged_attention_mgpu import mgpu_supports
+
+    shape = Shape(q_heads=heads[0], kv_heads=heads[1], head_dim=HEAD_DIM, page_size=PAGE)
+    return mgpu_supports(abstract_pages(fmt, shape), heads[0], decode=kernel == "decode")
 
 
 def behind_window(lengths, t: int) -> list[tuple[int, int]]:
@@ -67,7 +79,7 @@ def behind_window(lengths, t: int) -> list[tuple[int, int]]:
     return out
 
 
-def check(kernel: str, fmt: str, heads, with_options: bool, target: str, interpret: bool) -> dict:
+def check(kernel: str, fmt: str, heads, with_options: bool, family: str, target: str, interpret: bool) -> dict:
     """One row: the kernel on the device vs the reference -> dict(max_abs_err, ok)."""
     from pallas_cases import make_case, reference
     from pallas_kernels.common import AttentionOptions
@@ -83,7 +95,7 @@ def check(kernel: str, fmt: str, heads, with_options: bool, target: str, interpr
                      poison_pages=poison, seed=len(fmt))
     sinks = jnp.linspace(-1.0, 1.0, heads[0]) if with_options else None
     options = OPTIONS if with_options else {}
-    fn = kernel_function(kernel, "tpu" if target == "tpu" else "cuda")
+    fn = kernel_function(kernel, "tpu" if target == "tpu" else "cuda", mosaic_gpu=family == "mosaic")
     q, query_pos = (case.q[:, 0], case.query_index[:, 0]) if kernel == "decode" else (case.q, case.query_index)
     out = fn(q, from_layer_kv(case.layer), case.block_tables, case.lengths, query_pos, sinks, case.slots,
              scale=case.scale, opts=AttentionOptions(**options), interpret=interpret)
@@ -116,11 +128,14 @@ def main(argv=None) -> int:
     p.add_argument("--interpret-smoke", action="store_true",
                    help="a few checks in interpret mode on any machine (tests this script, not a device)")
     args = p.parse_args(argv)
+    from jaxinfer.attention.dispatch import hopper
+
     backend = jax.default_backend()
-    rows = plan(args.interpret_smoke)
+    rows = plan(args.interpret_smoke, mosaic=hopper())
     if backend not in ("gpu", "tpu") and not args.interpret_smoke:
         print(f"no GPU or TPU found (JAX backend: {backend}): nothing run. On a device this runs:")
-        print(f"  {len(rows)} correctness checks, compiled kernels vs the jnp reference: decode and chunked prefill x "
+        print(f"  {len(rows)} correctness checks (on a Hopper GPU {len(plan(False, mosaic=True)) - len(rows)} more for "
+              "the Mosaic GPU kernels), compiled kernels vs the jnp reference: decode and chunked prefill x "
               f"{', '.join(FORMATS)} x (plain; window + sinks + sink logits + soft-cap) x heads "
               f"{' and '.join(f'{a}/{b}' for a, b in HEADS)}, head_dim {HEAD_DIM}, page {PAGE}, lengths "
               f"{DECODE_LENGTHS}, NaN-poisoned foreign pages; MLA latent decode (r {MLA_RANK} + RoPE "
@@ -132,14 +147,16 @@ def main(argv=None) -> int:
     device = jax.devices()[0].device_kind
     print(f"device: {device}, jax {jax.__version__}, kernels: {target}")
     start, failures = time.perf_counter(), 0
-    print("| device | kernel | format | heads | options | max abs err | ok |\n|---|---|---|---|---|---|---|")
-    for kernel, fmt, heads, with_options in rows:
+    print("| device | kernel | kernels | format | heads | options | max abs err | ok |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for kernel, fmt, heads, with_options, family in rows:
         try:
-            result = check(kernel, fmt, heads, with_options, target, interpret=args.interpret_smoke)
+            result = check(kernel, fmt, heads, with_options, family, target, interpret=args.interpret_smoke)
         except Exception as err:  # noqa: BLE001 - a kernel that does not compile is a failed row
             result = dict(max_abs_err=float("nan"), ok=False, error=f"{type(err).__name__}: {str(err)[:200]}")
         failures += not result["ok"]
-        print(f"| {device} | {kernel} | {fmt} | {heads[0]}/{heads[1]} | {'on' if with_options else 'off'} | "
+        kernels = "tpu" if target == "tpu" else family
+        print(f"| {device} | {kernel} | {kernels} | {fmt} | {heads[0]}/{heads[1]} | {'on' if with_options else 'off'} | "
               f"{result['max_abs_err']:.3g} | {'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} |",
               flush=True)
     if not args.skip_bench and not args.interpret_smoke:

@@ -7,7 +7,9 @@ One run, side by side:
      jaxinfer's jnp reference on small inputs (skip with --skip-checks);
   3. the decode kernels at batch 64, contexts 4,096 and 16,384, 32 query / 8 KV heads,
      head_dim 128, page sizes 16 and 64, caches bf16 / int8 / fp8_e4m3 / int4 (KIVI), and
-     the XLA reference path (`paged_attention_reference`) on the same inputs.
+     the XLA reference path (`paged_attention_reference`) on the same inputs. On a Hopper GPU
+     both GPU kernel families run: Pallas Triton (`paged_decode_gpu`) and Pallas Mosaic GPU
+     (`paged_attention_mgpu`, for bf16 / int8 / fp8 pages), each row naming its family.
 
 Timing is device-side: each measurement runs N dependent calls inside one executable
 (`lax.fori_loop`, each call's output feeding the next call's query), after a warm-up run, and
@@ -22,6 +24,8 @@ Last line, one JSON object (figures at context 16,384, the faster page size of e
   int8_speedup_over_bf16   bf16 kernel time / int8 kernel time (goal >= 1.7)
   int4_speedup_over_bf16   bf16 kernel time / int4 kernel time (goal >= 2.8)
   pallas_over_xla_bf16     XLA reference time / bf16 kernel time
+  mosaic_over_triton_bf16  Triton bf16 kernel time / Mosaic GPU bf16 kernel time (Hopper only)
+The per-format figures take the faster kernel family (the dispatch runs Mosaic GPU on Hopper).
 On a TPU the same measurement runs the TPU decode kernel (Mosaic); the goals are the GPU's.
 On a machine with neither it says so, measures nothing and prints the keys with nulls.
 
@@ -42,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 KEYS = ("copy_gbps", "bf16_frac_of_copy", "int8_frac_of_copy", "int8_speedup_over_bf16", "int4_speedup_over_bf16",
-        "pallas_over_xla_bf16")
+        "pallas_over_xla_bf16", "mosaic_over_triton_bf16")
 FORMATS = ("bf16", "int8", "fp8_e4m3", "int4")
 BATCH, HQ, HKV, DH = 64, 32, 8, 128
 
@@ -72,12 +76,18 @@ def main(argv=None) -> int:
     print(f"device copy: {copy_gbps:.0f} GB/s")
     if not args.skip_checks:
         correctness_checks(small=interpret)
+    from jaxinfer.attention.dispatch import hopper
+
+    families = ["triton", "mosaic"] if hopper() or interpret else ["triton"]
     rows = []
     for context in args.contexts:
         for page_size in args.page_sizes:
             for fmt in args.formats:
-                rows.append(bench_decode(fmt, context, page_size, args.batch, args.iters, args.repeats, copy_gbps,
-                                         interpret))
+                for family in families if jax.default_backend() != "tpu" else ["tpu"]:
+                    if family == "mosaic" and fmt == "int4":
+                        continue  # KIVI pages: Triton only
+                    rows.append(bench_decode(fmt, context, page_size, args.batch, args.iters, args.repeats,
+                                             copy_gbps, interpret, family))
     print(json.dumps(summary(rows, copy_gbps, max(args.contexts))))
     return 0
 
@@ -125,13 +135,13 @@ def make_layer(fmt: str, num_pages: int, page_size: int, key, slots: int, dtype=
 
 
 def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int, repeats: int, copy_gbps: float,
-                 interpret: bool = False):
+                 interpret: bool = False, family: str = "triton"):
     from jaxinfer.kv import formats as F
     from jaxinfer.attention.reference import paged_attention_reference
     from pallas_kernels.formats import from_layer_kv
     from pallas_kernels.lowering import kernel_function
 
-    decode = kernel_function("decode", "tpu" if jax.default_backend() == "tpu" else "cuda")
+    decode = kernel_function("decode", "tpu" if family == "tpu" else "cuda", mosaic_gpu=family == "mosaic")
 
     pages_per_seq = context // page_size
     num_pages = batch * pages_per_seq + 1
@@ -156,7 +166,8 @@ def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int,
     t_kernel = time_loop(kernel, q, layer, iters, repeats)
     t_xla = time_loop(xla, q, layer, iters, repeats)
     nbytes = batch * context * F.get_format(fmt).bytes_per_token(HKV, DH, page_size)
-    row = dict(format=fmt, context=context, page_size=page_size, kernel_ms=t_kernel * 1e3, xla_ms=t_xla * 1e3,
+    row = dict(format=fmt, kernels=family, context=context, page_size=page_size, kernel_ms=t_kernel * 1e3,
+               xla_ms=t_xla * 1e3,
                kernel_gbps=nbytes / t_kernel / 1e9, xla_gbps=nbytes / t_xla / 1e9, max_abs_err=err)
     row["frac_of_copy"] = row["kernel_gbps"] / copy_gbps
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -172,6 +183,10 @@ def summary(rows, copy_gbps: float, context: int) -> dict:
     def get(fmt, key):
         return best[fmt][key] if fmt in best else None
 
+    def family_ms(fmt, family):
+        times = [r["kernel_ms"] for r in rows if (r["format"], r["kernels"], r["context"]) == (fmt, family, context)]
+        return min(times) if times else None
+
     def ratio(a, b):
         return a / b if a is not None and b is not None else None
 
@@ -182,6 +197,7 @@ def summary(rows, copy_gbps: float, context: int) -> dict:
         "int8_speedup_over_bf16": ratio(get("bf16", "kernel_ms"), get("int8", "kernel_ms")),
         "int4_speedup_over_bf16": ratio(get("bf16", "kernel_ms"), get("int4", "kernel_ms")),
         "pallas_over_xla_bf16": ratio(get("bf16", "xla_ms"), get("bf16", "kernel_ms")),
+        "mosaic_over_triton_bf16": ratio(family_ms("bf16", "triton"), family_ms("bf16", "mosaic")),
     }
 
 

@@ -30,5 +30,5 @@ def test_interpret_smoke_runs_the_checks():
     run = _run("--interpret-smoke")
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| cpu |")]
-    assert len(rows) == 3 and all(row.endswith("| ok |") for row in rows), rows
+    assert len(rows) == 4 and all(row.endswith("| ok |") for row in rows), rows  # Triton x 3, Mosaic GPU x 1
     assert json.loads(run.stdout.strip().splitlines()[-1])["failures"] == 0
