@@ -81,7 +81,7 @@ def test_gpu_benchmark_without_a_gpu_says_so_and_prints_nulls():
     assert "no GPU" in lines[0]
     summary = json.loads(lines[-1])
     assert list(summary) == ["copy_gbps", "bf16_frac_of_copy", "int8_frac_of_copy", "int8_speedup_over_bf16",
-                             "int4_speedup_over_bf16", "pallas_over_xla_bf16"]
+                             "int4_speedup_over_bf16", "pallas_over_xla_bf16", "mosaic_over_triton_bf16"]
     assert all(v is None for v in summary.values())
 
 
