@@ -5,7 +5,10 @@ reaches them through `jaxinfer.attention.dispatch`, and they are tested against 
 references, `jaxinfer.attention.reference.paged_attention_reference` (and
 `mla_attention_reference` for the MLA kernels).
 
-    paged_decode_gpu.py     decode, any cache format          Pallas Triton lowering
+    paged_attention_mgpu.py decode and chunked prefill,       Pallas Mosaic GPU (Hopper: TMA, wgmma)
+                            dense bf16/f16, int8, fp8
+    mgpu_interpret.py       jax's GPU interpret mode, with the transposed wgmma operand the above needs
+    paged_decode_gpu.py     decode, any cache format          Pallas Triton lowering (other GPUs, formats)
     chunked_prefill_gpu.py  chunk of queries, any format      Pallas Triton lowering
     paged_decode_tpu.py     decode, any cache format          Pallas Mosaic TPU, scalar prefetch
     chunked_prefill_tpu.py  chunk of queries, any format      Pallas Mosaic TPU, scalar prefetch
@@ -14,7 +17,8 @@ references, `jaxinfer.attention.reference.paged_attention_reference` (and
     common.py               masks, page schedule, online softmax (shared math)
     formats.py              KernelPages: a cache layer as the kernels read it; in-tile dequantization
     gpu_tiles.py / tpu_tiles.py   the page walks of each target
-    lowering.py             every kernel exported for TPU v5e / v6e and CUDA (jax.export), from any machine
+    lowering.py             every kernel exported for TPU v5e / v6e and CUDA, Triton and Mosaic GPU
+                            (jax.export), from any machine
     traffic.py              bytes a decode kernel moves per decoded token vs what the cache must supply
 
 Import-light: the names below are loaded on first use, so `import pallas_kernels` pulls in no

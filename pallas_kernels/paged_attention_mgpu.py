@@ -103,7 +103,7 @@ def smem_bytes(pages: KernelPages, rows: int, keys: int) -> int:
     dh, stored, compute = pages.head_dim, jnp.dtype(pages.k.dtype).itemsize, jnp.dtype(compute_dtype(pages)).itemsize
     total = 2 * 2 * keys * dh * stored + rows * dh * compute + rows * keys * compute + rows * 4
     if pages.format != "dense":
-        total += 2 * keys * dh * compute + 2 * 2 * keys * 4
+        total += 2 * keys * dh * compute + 2 * 2 * keys * 4  # (scales at f32: an upper bound)
     return total
 
 
@@ -124,8 +124,16 @@ def check_mgpu_shapes(pages: KernelPages, rows: int) -> None:
     if smem_bytes(pages, rows, keys) > SMEM_BYTES:
         raise ValueError(f"a {keys}-key tile of head_dim {dh} needs {smem_bytes(pages, rows, keys)} bytes of SMEM")
     if pages.format != "dense" and (page_keys // chunks) % 32:
-        # a TMA copy moves a multiple of 128 bytes: one page's f32 scales
+        # a TMA copy moves a multiple of 128 bytes: one page's scales, in f32 if need be (`scale_dtype`)
         raise ValueError(f"page_size * kv_heads = {page_keys} must be a multiple of 32 for {pages.format} pages")
+
+
+def scale_dtype(pages: KernelPages, keys_per_copy: int):
+    """The dtype the kernel reads int8 / fp8 scales in: as stored when one page's (chunk's) row of
+    them is a multiple of 128 bytes (a TMA copy's unit: 64 bf16 scales, e.g. 16 tokens x 4 KV
+    heads), else f32, converted per call (a pass over the scale pool)."""
+    stored = jnp.dtype(pages.k_scale.dtype)
+    return stored if keys_per_copy * stored.itemsize % 128 == 0 else jnp.dtype(jnp.float32)
 
 
 def query_rows(q_heads: int, decode: bool) -> int:
@@ -248,7 +256,7 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, 
         row, col = _iota((cfg.rows, n), 0, cfg), _iota((cfg.rows, n), 1, cfg)
         key_pos, key_ok = key_positions(t, col)
         if cfg.quantized:  # per-token key scale: a column scale of the scores
-            s = s * _columns(ks_stage[slot], s.shape, cfg)
+            s = s * _columns(ks_stage.at[slot], s.shape, cfg)
         row_head = (row % cfg.q_heads) // cfg.group  # KV head of row r's query head
         vis = key_ok & (row_head == col % cfg.kv_heads) & visible(
             key_pos, lax.broadcast_in_dim(row_pos, s.shape, [0]), length, cfg.opts)
@@ -258,7 +266,7 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, 
         p = jnp.where(vis, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
         l = l * correction + p.sum(axis=1)
         if cfg.quantized:  # per-token value scale: a column scale of the probabilities (unread scales may be NaN)
-            p = jnp.where(vis, p * _columns(vs_stage[slot], p.shape, cfg), 0.0)
+            p = jnp.where(vis, p * _columns(vs_stage.at[slot], p.shape, cfg), 0.0)
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
 
@@ -287,11 +295,13 @@ def _iota(shape, dim: int, cfg: MgpuTiles) -> jax.Array:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _columns(scales: jax.Array, shape, cfg: MgpuTiles) -> jax.Array:
-    """f32[N] per-key scales -> broadcast over the rows of a [rows, N] tile."""
-    if not cfg.interpret:
-        scales = plgpu.layout_cast(scales, plgpu.Layout.WGMMA.reduce(0))
-    return lax.broadcast_in_dim(scales, shape, [1])
+def _columns(scales_ref, shape, cfg: MgpuTiles) -> jax.Array:
+    """Per-key scales (SMEM [N]) -> f32 broadcast over the rows of a [rows, N] tile."""
+    if cfg.interpret:
+        scales = scales_ref[...]
+    else:  # loaded straight into the layout of a row of wgmma's result
+        scales = plgpu.load(scales_ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(scales.astype(jnp.float32), shape, [1])
 
 
 def _attend(q_rows, row_pos, q_lo, q_hi, pages: KernelPages, block_tables, lengths, *, q_heads: int, splits: int,
@@ -308,13 +318,14 @@ def _attend(q_rows, row_pos, q_lo, q_hi, pages: KernelPages, block_tables, lengt
     # [P, S, Hkv, ...] -> [P, chunks, S * Hkv / chunks, ...]: a TMA copy takes one (page, chunk)
     flat = lambda a: a.reshape(a.shape[0], chunks, page_size * hkv // chunks, *a.shape[3:])
     operands = [flat(pages.k), flat(pages.v)]
-    if cfg.quantized:  # f32: a page's scales are then a whole number of 128-byte TMA units
-        operands += [flat(pages.k_scale.astype(jnp.float32)), flat(pages.v_scale.astype(jnp.float32))]
+    scales = scale_dtype(pages, page_size * hkv // chunks) if cfg.quantized else jnp.float32
+    if cfg.quantized:
+        operands += [flat(pages.k_scale.astype(scales)), flat(pages.v_scale.astype(scales))]
     scratch = [
         _swizzled((rows, dh), dtype), plgpu.SMEM((rows,), jnp.int32),  # q, row positions
         _swizzled((2, n, dh), stored), _swizzled((2, n, dh), stored),  # k, v stages
-        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),  # k, v scale stages
-        plgpu.SMEM((2, n if cfg.quantized else 0), jnp.float32),
+        plgpu.SMEM((2, n if cfg.quantized else 0), scales),  # k, v scale stages
+        plgpu.SMEM((2, n if cfg.quantized else 0), scales),
         _swizzled((rows, n), dtype),  # p
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=ppb * (4 if cfg.quantized else 2), num_barriers=2),
@@ -337,6 +348,12 @@ def _attend(q_rows, row_pos, q_lo, q_hi, pages: KernelPages, block_tables, lengt
     acc, m, l = kernel(lengths.astype(jnp.int32), q_lo, q_hi, block_tables.astype(jnp.int32), row_pos,
                        q_rows.astype(dtype), *operands)
     return m[..., None], l[..., None], acc
+
+
+def default_splits(batch: int, steps: int, pages_per_tile: int) -> int:
+    """Key-axis splits: about 2 programs per SM of an H100 (132 SMs), each folding at least 8
+    tiles, so the partials (f32 [rows, Dh] per split) stay small beside the pages read."""
+    return max(1, min(cdiv(steps, 8 * pages_per_tile), cdiv(132 * 2, batch)))
 
 
 def _finish(m, l, acc, sink_logits, q_heads: int) -> jax.Array:
@@ -379,7 +396,7 @@ def paged_decode_mgpu(
     check_mgpu_shapes(pages, rows)
     ppb, _ = tiles_for(pages, rows)
     steps = decode_steps(block_tables.shape[1], pages.page_size, opts)
-    splits = k_splits or max(1, min(cdiv(steps, ppb), cdiv(132 * 2, b)))  # ~2 programs per SM of an H100
+    splits = k_splits or default_splits(b, steps, ppb)
     query_pos = query_pos.astype(jnp.int32)
     row_pos = jnp.where(jnp.arange(rows) < hq, query_pos[:, None], -1)[:, None]  # [B, 1, rows]
     q_rows = jnp.pad(q, ((0, 0), (0, rows - hq), (0, 0)))[:, None]  # [B, 1, rows, Dh]

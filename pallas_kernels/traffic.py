@@ -13,6 +13,11 @@ writes and re-reads the split-K partials (f32 [rows, D] per program: the query h
 16 / G_pad KV heads packed into 16 rows). A model of those loads (DRAM sector granularity
 ignored), not a measurement.
 
+GPU on Hopper (`paged_decode_mgpu`): counted from its walk (the splits' schedule steps, whole
+pages of every head per TMA copy, a tile's unused page slots re-reading the split's last page),
+plus the per-call conversion of the int8 / fp8 scale pool to f32, the query rows and row
+positions, and the split-K partials written and merged.
+
 The cache must supply, per sequence: its visible tokens (all of them, or the window and the
 sinks) at `jaxinfer.kv.formats` bytes_per_token, KIVI's current-page tokens from the bf16 tail.
 
@@ -160,6 +165,35 @@ def gpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = Attenti
                    shape.batch * blocks * splits, 0)
 
 
+def mgpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = AttentionOptions()) -> Traffic:
+    """Traffic of `paged_decode_mgpu` (its default k_splits) for sequences of `lengths` tokens."""
+    from pallas_kernels.paged_attention_mgpu import default_splits, query_rows, scale_dtype, tiles_for
+
+    pages = abstract_pages(fmt, shape)
+    s, d = shape.page_size, shape.head_dim
+    rows = query_rows(shape.q_heads, decode=True)
+    ppb, _ = tiles_for(pages, rows)
+    steps = decode_steps(shape.max_pages, s, opts)
+    splits = default_splits(shape.batch, steps, ppb)
+    per_split = cdiv(cdiv(steps, splits), ppb) * ppb
+    quantized = pages.k_scale is not None
+    _, chunks = tiles_for(pages, rows)
+    scale_bytes = jnp.dtype(scale_dtype(pages, s * shape.kv_heads // chunks)).itemsize if quantized else 0
+    page_bytes = 2 * _nbytes(pages.k.shape[1:], pages.k.dtype) + 2 * s * shape.kv_heads * scale_bytes
+    copies = 0
+    for n in np.asarray(lengths):
+        count = int(page_schedule(int(n), int(n) - 1, int(n) - 1, s, opts).count)
+        for split in range(splits):
+            copies += cdiv(max(min(per_split, count - split * per_split), 0), ppb) * ppb
+    per_program = rows * d * 2 + rows * 4 + 2 * (rows * d + 2 * rows) * 4  # q, row positions, partials
+    moved = copies * page_bytes + shape.batch * splits * per_program + shape.batch * _nbytes((shape.q_heads, d),
+                                                                                             jnp.bfloat16)
+    if quantized and scale_bytes == 4:  # the scale pool: bf16 read, f32 written, per call
+        moved += 2 * pages.k_scale.size * (2 + 4)
+    return Traffic(moved, cache_bytes(fmt, shape, np.asarray(lengths), opts), shape.batch, shape.batch * splits,
+                   copies)
+
+
 def main() -> None:
     shape = Shape(batch=16, q_heads=32, kv_heads=8, head_dim=128, page_size=16, context=8192)
     rng = np.random.default_rng(0)
@@ -177,6 +211,10 @@ def main() -> None:
                 g = gpu_decode(fmt, shape, lengths, opts)
                 print(f"| paged_decode_gpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | - | {g.grid_steps} | - | "
                       f"{g.ratio:.3f} |")
+                if fmt != "int4":  # KIVI pages: Triton only
+                    m = mgpu_decode(fmt, shape, lengths, opts)
+                    print(f"| paged_decode_mgpu | {FORMAT_NAMES.get(fmt, fmt)} | {label} | {o} | "
+                          f"{tiles_for_label(fmt, shape)} | {m.grid_steps} | {m.dmas} | {m.ratio:.3f} |")
     for heads in (16, 128):  # MLA latent decode, bf16 latent cache (r 512 + RoPE 64), page 16
         mla = MlaShape(batch=shape.batch, heads=heads, context=shape.context)
         for label, lengths in (("all 8k", np.full(shape.batch, shape.context)), ("ragged 1-8k", mixed)):
@@ -185,6 +223,13 @@ def main() -> None:
                 steps = "default" if target == "tpu" else "-"
                 print(f"| mla_decode_{target} ({heads} heads) | bf16 latent | {label} | none | {steps} | "
                       f"{t.grid_steps} | {t.dmas if target == 'tpu' else '-'} | {t.ratio:.3f} |")
+
+
+def tiles_for_label(fmt: str, shape: Shape) -> str:
+    from pallas_kernels.paged_attention_mgpu import query_rows, tiles_for
+
+    ppb, chunks = tiles_for(abstract_pages(fmt, shape), query_rows(shape.q_heads, decode=True))
+    return f"{ppb}" if chunks == 1 else f"1/{chunks}"
 
 
 if __name__ == "__main__":
