@@ -116,11 +116,12 @@ class Engine:
                 if resolve_layer_loop(config.layer_loop) == "scan" else None)
         self.model = model = dataclasses.replace(model, params=with_layer_runs(model.params, runs))
         max_chunk = max(config.prefill_chunk, 1 + (sc.num_speculative if sc else 0))
-        # hybrid models on one device: windowed layers in a bounded ring per slot (`jaxinfer.kv.window_ring`)
-        self.window_ring = None if stream or config.mesh else window_ring(mc, config.page_size, max_chunk, pages_per_seq)
+        # hybrid models: windowed layers in a bounded ring per slot (`jaxinfer.kv.window_ring`), on a mesh
+        # each data replica's slots' rings on its devices
+        self.window_ring = None if stream else window_ring(mc, config.page_size, max_chunk, pages_per_seq)
         self.kv = self._commit(init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
                                              kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh),
-                                             layer_runs=runs, window_ring=self.window_ring))
+                                             layer_runs=runs, window_ring=self.window_ring, window_replicas=data))
         self._step, self._spec_step = engine_step, speculative_step
         self._compiles = CompileCounter()  # `compiled_programs`: this engine's programs only
         self._compiler: BackgroundCompiler | None = None  # `start_warmup`

@@ -182,7 +182,8 @@ def forward_hidden(
     `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     # windowed layers of a hybrid model: their own pool, a ring of pages per slot (`jaxinfer.kv.window_ring`)
-    ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size) for i in idxs]
+    ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size, kv.window_pool_pages)
+                                                       for i in idxs]
     inv_freq = {w: layer_inv_freq(config, w) for w in {None, *config.layer_windows}}  # f32[Dh/2] per window
     if inputs is None:
         inputs = _flat([params.embed[g.tokens] for g in groups])
