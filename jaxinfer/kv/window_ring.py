@@ -28,9 +28,15 @@ spare (block 0's is NULL_PAGE), so every ring a replica's slots use lies on its 
 
     max_slots = 4, R = 3, D = 2  ->  pool of 2 * (2 * 3 + 1) = 14 pages
     block 0: [0=NULL | slot 0: 1 2 3 | slot 1: 4 5 6]   block 1: [7 | slot 2: 8 9 10 | slot 3: 11 12 13]
+
+Prefix caching: a hit's shared pages hold the global layers' K/V only; a ring starts empty. The
+request resumes `hit_recompute` tokens (rounded to pages) before the hit's end so its rings
+receive exact keys, and the global layers drop their writes into the shared pages meanwhile.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +49,27 @@ def ring_pages(window: int, max_chunk: int, page_size: int) -> int:
     """Pages a slot's ring needs: a step's queries (up to `max_chunk` of them, the first at the
     sequence's cached length L) see keys from L - window + 1 to L + max_chunk - 1."""
     return -(-(window - 1 + max_chunk) // page_size) + 1
+
+
+def hit_recompute(windows: Sequence[int | None]) -> int:
+    """Tokens before the end H of a prefix-cache hit that a request must recompute, so that
+    its rings hold exact keys for every query from H on: the sum of W - 1 over the windowed
+    layers (`windows`: each layer's window, None for a global one).
+
+    The cached pages give the global layers exact K/V for every position < H, but a new
+    request's rings start empty. Recomputing from S, a windowed layer's K/V at position t is
+    exact once the hidden state feeding it is, and a windowed layer's output at t is exact once
+    its keys t - W + 1 ... t are: each windowed layer pushes the first exact position W - 1
+    further (a global layer reads the cached K/V, exact, and pushes nothing). So the queries
+    from H on see exact keys in every layer iff S + sum(W - 1) <= H. One window (W' = W rounded
+    to pages) is not enough with two windowed layers or more::
+
+        2 windowed layers, W = 4, H = 16, S = 12: layer 0's keys 12..15 are exact, but its
+        outputs at 12..14 miss keys 9..11, so layer 1's keys 13..15, which query 16 reads, are not.
+
+    The recomputed positions below H are in shared pages: the global layers must not write
+    them there (`TokenGroup.shared`), since their values there are not exact."""
+    return sum(w - 1 for w in windows if w is not None)
 
 
 def ring_pool_pages(max_slots: int, ring: int, replicas: int = 1) -> int:
