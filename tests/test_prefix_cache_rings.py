@@ -24,9 +24,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1
 MODELS = {"gemma3": (GEMMA_TINY, 8, 3 * 7), "gpt_oss": (GPT_OSS_TINY, 6, 2 * 5)}
 
 
-def engine(model: Model, prefix_caching: bool) -> Engine:
+def engine(model: Model, prefix_caching: bool, **options) -> Engine:
     return Engine(model, EngineConfig(max_slots=4, page_size=PAGE, prefill_chunk=8, max_model_len=128,
-                                      enable_prefix_caching=prefix_caching))
+                                      enable_prefix_caching=prefix_caching, **options))
 
 
 def run(eng: Engine, rounds: list[list[list[int]]], staggered: list[list[int]]) -> list[RequestOutput]:
@@ -80,3 +80,12 @@ def test_prefix_hits_with_rings_equal_no_prefix_caching(name):
     m = eng.metrics()
     assert m.prefix_hits >= sum(hits) // PAGE
     assert m.compiled_programs == reference.metrics().compiled_programs  # no new programs
+
+
+def test_kivi_formats_keep_prefix_caching_off_with_rings():
+    """KIVI pages are written whole from a slot's tail, not through the write indices, so the
+    recomputed tokens of a hit would rewrite shared pages: no prefix caching with rings there."""
+    config, params = tiny_model(max_position=512, **GEMMA_TINY)
+    model = Model(config=config, params=params, tokenizer=None)
+    assert not engine(model, True, kv_cache="int4").scheduler.enable_prefix_caching
+    assert engine(model, True, kv_cache="int8").scheduler.enable_prefix_caching
