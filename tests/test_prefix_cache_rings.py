@@ -79,7 +79,8 @@ def test_prefix_hits_with_rings_equal_no_prefix_caching(name):
     assert got[-1].metrics.num_cached_prompt_tokens > 0  # the staggered request's hit saved tokens too
     m = eng.metrics()
     assert m.prefix_hits >= sum(hits) // PAGE
-    assert m.compiled_programs == reference.metrics().compiled_programs  # no new programs
+    # no new programs: the reference engine (same shapes, run first) compiled every one this one ran
+    assert reference.metrics().compiled_programs > 0 and m.compiled_programs == 0
 
 
 def test_kivi_formats_keep_prefix_caching_off_with_rings():
