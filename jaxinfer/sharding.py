@@ -19,6 +19,8 @@ Layout on a ``data=D, model=M`` mesh (weights are ``[out, in]``)::
     KV pages      [P, page, Hkv*r, Dh]  pages split on data, heads on model; r = kv_head_copies:
                                1 when Hkv % M == 0, else each KV head kept r times so
                                every model device holds the KV heads its query heads read
+    ring pages    [Pw, page, Hkv*r, Dh] a hybrid model's windowed layers (`jaxinfer.kv.window_ring`):
+                               the same split; replica r's slots' rings in its share
     step inputs   [max_slots, ...] per slot, [rows, ...] prefill rows (block r: replica r's)
                                split on data (max_slots % D == 0 is required)
 
@@ -178,24 +180,29 @@ def kv_shardings(kv: Any, mesh: Mesh) -> Any:
     Page leaves (axis 0 = the pool) are split on `data`: a pool of P pages needs P % D == 0.
     Dense, int8 and fp8 pages (`[P, page, heads, ...]`, scales `[P, page, heads]`) also split
     their stored KV heads on `model` when they divide (a cache made with `kv_head_copies`
-    always does). Other leaves (KIVI's per-slot tails) and the host-owned block tables and
-    lengths are replicated. A stacked run's leaves (`jaxinfer.layer_stack`) keep their layer
+    always does). The windowed layers' ring pool of a hybrid model splits the same way (made
+    with `window_replicas=D`, each replica's slots' rings lie in its share). Other leaves
+    (KIVI's per-slot tails), the host-owned block tables and lengths and the ring tables are
+    replicated. A stacked run's leaves (`jaxinfer.layer_stack`) keep their layer
     axis whole, as do stacked weights (`param_spec` of 'layers.{a}:{b}.{field}').
     """
     data = mesh.shape["data"]
-    if kv.num_pages % data:
-        raise ValueError(f"a pool of {kv.num_pages} pages does not divide over the mesh's data={data} axis")
+    pools = {kv.num_pages} | ({kv.window_pool_pages} if kv.window_pool_pages else set())
+    for pool in pools:
+        if pool % data:
+            raise ValueError(f"a pool of {pool} pages does not divide over the mesh's data={data} axis")
 
     def layer(layer_kv, stacked: bool) -> Any:
         lead = (None,) * stacked  # a stacked run's leaves are [n, ...]
         if layer_kv.splits_over_mesh:
             pages = NamedSharding(mesh, P(*lead, *page_spec(stored_kv_heads(layer_kv), mesh)))
             return jax.tree.map(lambda a: pages, layer_kv)
-        return jax.tree.map(lambda a: NamedSharding(mesh, P(*lead, "data") if a.shape[stacked] == kv.num_pages else P()),
+        return jax.tree.map(lambda a: NamedSharding(mesh, P(*lead, "data") if a.shape[stacked] in pools else P()),
                             layer_kv)
 
-    return dataclasses.replace(kv, layers=layer_stack.map_layers(layer, kv.layers),
-                               block_tables=replicated(mesh), lengths=replicated(mesh))
+    return dataclasses.replace(kv, layers=layer_stack.map_layers(layer, kv.layers), block_tables=replicated(mesh),
+                               lengths=replicated(mesh),
+                               window_tables=None if kv.window_tables is None else replicated(mesh))
 
 
 def by_replica(mesh: Mesh) -> NamedSharding:

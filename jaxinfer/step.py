@@ -30,6 +30,7 @@ class PrefillBatch:
     tokens: jax.Array  # i32[P, C]: a chunk of pending tokens per row, right-padded
     slots: jax.Array  # i32[P]: the slot each row continues
     num_new: jax.Array  # i32[P]: valid tokens per row (0 = unused row)
+    shared: jax.Array  # i32[P]: tokens of each row's sequence in shared prefix-cache pages (`TokenGroup.shared`)
 
 
 @struct.dataclass
@@ -112,7 +113,7 @@ def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:
     chunk = p.tokens.shape[1]
     return (TokenGroup(
         tokens=p.tokens, positions=batch.lengths[p.slots][:, None] + jnp.arange(chunk, dtype=jnp.int32),
-        slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0), by_replica=True,
+        slots=p.slots, num_new=p.num_new, logits_index=jnp.maximum(p.num_new - 1, 0), by_replica=True, shared=p.shared,
     ),)
 
 

@@ -124,6 +124,7 @@ def check_meshes() -> dict:
                          for fmt in ("int8", "int4")}
     out["speculative"] = {name: engine_tokens(model, mesh, speculative=sc) for name, sc in speculative_sources().items()}
     out["variants"] = check_variants()
+    out["rings"] = check_rings()
     out["scan"] = check_scan(model, mesh)
     out["orbax"] = check_orbax_restore(model)
     from tiny_models import tiny_model
@@ -189,6 +190,42 @@ def check_variants() -> dict:
     for name, (config, spec, options) in cases.items():
         m = Model(config, init_random_params(config, seed=0, scale=0.3), None)
         out[name] = {"ref": engine_tokens(m, None, **options), "mesh": engine_tokens(m, sharding.make_mesh(spec), **options)}
+    return out
+
+
+def check_rings() -> dict:
+    """Hybrid models (a tiny Gemma-3-like and a gpt-oss-like one) whose windowed layers hold a
+    ring of pages per slot (`jaxinfer.kv.window_ring`), on data=2,model=2 (4 of the 8 devices) and
+    data=2,model=4 (2 KV heads kept twice): prompts and outputs past the window, then prompts
+    hitting a cached 40-token prefix (recomputed for the rings: `Scheduler.hit_recompute`),
+    tokens as on one device; each device holds its replica's half of the ring pool and its
+    share of the heads."""
+    from test_window_ring import GEMMA_TINY, GPT_OSS_TINY
+    from tiny_models import tiny_config
+
+    from jaxinfer.model import init_random_params
+
+    configs = {"gemma3": tiny_config(**GEMMA_TINY), "gpt_oss": tiny_config(**GPT_OSS_TINY)}
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, 97, 40).tolist()
+    prompts = [shared + [1, 2]] + [rng.integers(0, 97, int(n)).tolist() for n in rng.integers(3, 30, 7)]
+    hits = [shared + rng.integers(0, 97, int(n)).tolist() for n in (2, 5, 3, 6)]
+
+    def both_rounds(engine: Engine) -> list[list[int]]:
+        return greedy(engine, prompts, max_tokens=12) + greedy(engine, hits, max_tokens=12)
+
+    out = {}
+    for name, config in configs.items():
+        m = Model(config, init_random_params(config, seed=0, scale=0.3), None)
+        ref = both_rounds(tiny_engine(m, None, max_len=64))
+        for spec, devices in (("data=2,model=2", jax.devices()[:4]), ("data=2,model=4", None)):
+            engine = tiny_engine(m, sharding.make_mesh(spec, devices), max_len=64)
+            tokens = both_rounds(engine)
+            k = jax.tree.leaves(engine.kv.layers[0])[0]  # layer 0 is windowed: a ring pool
+            out[f"{name} {spec}"] = {
+                "ref": ref, "mesh": tokens, "window_ring": engine.window_ring, "prefix_hits": engine.metrics().prefix_hits,
+                "ring_k_shape": list(k.shape), "ring_k_shard_shape": list(k.addressable_shards[0].data.shape),
+                "ring_k_spec": list(k.sharding.spec)}
     return out
 
 

@@ -114,6 +114,24 @@ def test_attention_variants_on_a_mesh_equal_one_device(meshes, variant):
     assert meshes["variants"][variant]["mesh"] == meshes["variants"][variant]["ref"]
 
 
+# stored KV heads (2 heads, kept twice on model=4) -> heads one device holds
+RING_HEADS = {"data=2,model=2": (2, 1), "data=2,model=4": (4, 1)}
+
+
+@pytest.mark.parametrize("model", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("spec", list(RING_HEADS))
+def test_window_rings_on_a_mesh_equal_one_device(meshes, model, spec):
+    """A hybrid model's windowed layers keep their bounded ring pool on a mesh: 8 slots x 5 ring
+    pages + a spare page per data replica, each device holding its replica's half (its slots'
+    rings) and its share of the KV heads, as bounded as on one device; greedy tokens equal, also
+    for 4 requests hitting a cached 40-token prefix (10 pages each)."""
+    c = meshes["rings"][f"{model} {spec}"]
+    assert c["mesh"] == c["ref"] and c["prefix_hits"] >= 4 * 10
+    stored, held = RING_HEADS[spec]
+    assert c["window_ring"] == 5 and c["ring_k_shape"][:3] == [2 * (4 * 5 + 1), 4, stored]
+    assert c["ring_k_shard_shape"][:3] == [4 * 5 + 1, 4, held] and c["ring_k_spec"] == ["data", None, "model"]
+
+
 @pytest.mark.parametrize("case", ["plain", "int8", "int4", "self"])
 def test_scanned_layers_on_a_mesh_equal_one_device(meshes, case):
     assert meshes["scan"][case]["mesh"] == meshes["scan"][case]["ref"]

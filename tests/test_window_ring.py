@@ -11,14 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxinfer.config import MoEConfig
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.kv.pages import NULL_PAGE, WriteIndices
-from jaxinfer.kv.window_ring import ring_indices, ring_pages, ring_tables
+from jaxinfer.kv.window_ring import ring_indices, ring_pages, ring_pool_pages, ring_tables
 from jaxinfer.model import forward
 from tiny_models import tiny_model
 
 GEMMA_TINY = dict(arch="gemma3", n_layers=4, layer_windows=(8, 8, None, 8), head_dim=16, query_scale=0.2,
                   rope_local_theta=100.0)
+# gpt-oss layers (learned sinks, biases, experts), windowed and global alternating
+GPT_OSS_TINY = dict(arch="gpt_oss", n_layers=4, layer_windows=(6, None, 6, None), attn_sinks=True, attn_bias=True,
+                    moe=MoEConfig(n_experts=4, experts_per_token=2, expert_dim=16))
 
 
 @settings(max_examples=60, deadline=None)
@@ -31,13 +35,14 @@ def test_ring_view_holds_every_visible_key(window, page_size, chunk, cached, dat
     in the ring page that logical page maps to, never sharing a ring page with another live page."""
     n = data.draw(st.integers(1, chunk))
     ring = ring_pages(window, chunk, page_size)
+    pool = ring_pool_pages(3, ring)
     tables = jnp.asarray(ring_tables(3, ring))
     t = np.arange(chunk)
     cache_index = cached + t
     idx = WriteIndices(slots=jnp.asarray([1]), block_tables=jnp.zeros((1, 1), jnp.int32),
                        page_ids=jnp.zeros((1, chunk), jnp.int32), offsets=jnp.asarray(cache_index % page_size)[None],
                        cache_index=jnp.asarray(cache_index)[None], new_lengths=jnp.asarray([cached + n]))
-    r = ring_indices(idx, tables, page_size)
+    r = ring_indices(idx, tables, page_size, pool)
     view, shift = np.asarray(r.block_tables[0]), int(cache_index[0] - r.cache_index[0, 0])
     assert shift % page_size == 0 and int(r.new_lengths[0]) == cached + n - shift <= ring * page_size
     own = set(np.asarray(tables[1]).tolist())
@@ -47,7 +52,7 @@ def test_ring_view_holds_every_visible_key(window, page_size, chunk, cached, dat
         if i < n:
             assert page_ids[i] == view[(cache_index[i] - shift) // page_size]
         else:
-            assert page_ids[i] == tables.size + 1  # padding: dropped
+            assert page_ids[i] == pool  # padding: dropped
     live = [j for j in range(cached + n) if j > cached - window]  # keys the step's first query onwards may see
     logical_of_ring = {}
     for j in live:
@@ -55,6 +60,18 @@ def test_ring_view_holds_every_visible_key(window, page_size, chunk, cached, dat
         page = view[(j - shift) // page_size]
         assert logical_of_ring.setdefault(page, j // page_size) == j // page_size
         assert page == tables[1, (j // page_size) % ring]
+
+
+@pytest.mark.parametrize("max_slots,ring,replicas", [(3, 4, 1), (4, 3, 2), (8, 5, 4)])
+def test_ring_tables_give_each_replica_a_block_of_the_pool(max_slots, ring, replicas):
+    """Each slot's ring lies in its data replica's equal share of the pool (the pages a mesh's
+    `data` axis puts on that replica's devices), rings never overlap, NULL_PAGE is no one's."""
+    pool = ring_pool_pages(max_slots, ring, replicas)
+    tables = ring_tables(max_slots, ring, replicas)
+    assert pool % replicas == 0 and tables.shape == (max_slots, ring)
+    assert len(set(tables.ravel().tolist())) == tables.size and NULL_PAGE not in tables and tables.max() < pool
+    replica_of_page = tables // (pool // replicas)  # [max_slots, ring]
+    assert (replica_of_page == (np.arange(max_slots) // (max_slots // replicas))[:, None]).all()
 
 
 def run_chunks(params, config, kv, tokens: np.ndarray, chunk: int) -> tuple[list[np.ndarray], list[int]]:

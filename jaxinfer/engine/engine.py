@@ -40,7 +40,7 @@ from jaxinfer.kv.kivi import KiviLayerKV
 from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.kv.streaming import StreamingSpec
-from jaxinfer.kv.window_ring import ring_pages
+from jaxinfer.kv.window_ring import hit_recompute, ring_pages
 from jaxinfer.layer_stack import LayerStack, entry_pytrees
 from jaxinfer.loading import Model
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, with_layer_runs
@@ -116,11 +116,12 @@ class Engine:
                 if resolve_layer_loop(config.layer_loop) == "scan" else None)
         self.model = model = dataclasses.replace(model, params=with_layer_runs(model.params, runs))
         max_chunk = max(config.prefill_chunk, 1 + (sc.num_speculative if sc else 0))
-        # hybrid models on one device: windowed layers in a bounded ring per slot (`jaxinfer.kv.window_ring`)
-        self.window_ring = None if stream or config.mesh else window_ring(mc, config.page_size, max_chunk, pages_per_seq)
+        # hybrid models: windowed layers in a bounded ring per slot (`jaxinfer.kv.window_ring`), on a mesh
+        # each data replica's slots' rings on its devices
+        self.window_ring = None if stream else window_ring(mc, config.page_size, max_chunk, pages_per_seq)
         self.kv = self._commit(init_paged_kv(mc, self.spec, streaming=stream, kv_cache=config.kv_cache,
                                              kv_head_copies=sharding.kv_head_copies(mc.n_kv_heads, config.mesh),
-                                             layer_runs=runs, window_ring=self.window_ring))
+                                             layer_runs=runs, window_ring=self.window_ring, window_replicas=data))
         self._step, self._spec_step = engine_step, speculative_step
         self._compiles = CompileCounter()  # `compiled_programs`: this engine's programs only
         self._compiler: BackgroundCompiler | None = None  # `start_warmup`
@@ -139,12 +140,16 @@ class Engine:
                 config.mesh, self.model.params, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
             self._place_drafts = lambda drafts: sharding.place_slots(drafts, config.mesh)
         k = config.speculative.num_speculative if config.speculative else 0
+        # KIVI formats write whole pages from their tails whatever the write indices say, so they
+        # would rewrite shared pages while a ring model recomputes a prefix hit's last tokens
+        kivi = any(isinstance(layer, KiviLayerKV) for layer in entry_pytrees(self.kv.layers))
         self.scheduler = Scheduler(
             max_slots=config.max_slots, page_size=config.page_size, num_pages=num_pages,
             prefill_chunk=config.prefill_chunk, max_prefill_rows=config.max_prefill_rows,
-            # a prefix hit would skip tokens whose keys a windowed layer's ring never received
             max_tokens_per_step=config.max_tokens_per_step,
-            enable_prefix_caching=config.enable_prefix_caching and stream is None and self.window_ring is None,
+            enable_prefix_caching=config.enable_prefix_caching and stream is None and not (self.window_ring and kivi),
+            # a hit's last tokens are recomputed so the windowed layers' rings receive their keys
+            hit_recompute=hit_recompute([mc.window(i) for i in range(mc.n_layers)]) if self.window_ring else 0,
             cache_root=cache_identity(mc, repr(config.kv_cache), str(jax.tree.leaves(self.kv.layers[0])[0].dtype),
                                       config.page_size),
             static_batching=config.scheduling == "static",
@@ -734,7 +739,8 @@ class Engine:
         s = self.scheduler
         rows, chunk = s.max_prefill_rows, self.config.prefill_chunk
         slots = np.arange(rows, dtype=np.int32) // s.prefill_rows_per_replica * s.slots_per_replica
-        return PrefillBatch(tokens=np.zeros((rows, chunk), np.int32), slots=slots, num_new=np.zeros(rows, np.int32))
+        return PrefillBatch(tokens=np.zeros((rows, chunk), np.int32), slots=slots, num_new=np.zeros(rows, np.int32),
+                            shared=np.zeros(rows, np.int32))
 
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
         b = self.spec.max_slots
@@ -767,7 +773,7 @@ class Engine:
             prefill = self._idle_prefill()
             for (req, n), row in zip(plan.prefill, plan.prefill_rows):
                 prefill.tokens[row, :n] = req.tokens(req.num_computed, req.num_computed + n)
-                prefill.slots[row], prefill.num_new[row] = req.slot, n
+                prefill.slots[row], prefill.num_new[row], prefill.shared[row] = req.slot, n, req.num_shared_tokens
         # numpy leaves: jit transfers them in one go, cheaper than a jnp.asarray each
         return StepBatch(
             block_tables=block_tables, lengths=lengths, decode_tokens=decode_tokens, decode_active=active,

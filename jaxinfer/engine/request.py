@@ -26,7 +26,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache spared the model (not recomputed)
     num_preemptions: int = 0
     speculative: SpeculativeStats | None = None  # draft acceptance (engines that speculate)
 
@@ -91,6 +91,9 @@ class Request:
         self.in_flight_row = -1
         self.pages: list[int] = []
         self.num_registered_pages = 0  # leading pages already entered in the prefix cache
+        # leading tokens in pages taken from the prefix cache: the pool's layers never write them,
+        # though a hybrid model recomputes some for its rings (`Scheduler.hit_recompute`)
+        self.num_shared_tokens = 0
         self.slot: int | None = None
         # EAGLE: target features of this many last positions wait in the draft state of the
         # slot (0: none; the slot's release drops them)

@@ -56,15 +56,20 @@ class Scheduler:
     def __init__(self, *, max_slots: int, page_size: int, num_pages: int, prefill_chunk: int,
                  max_prefill_rows: int, max_tokens_per_step: int | None, enable_prefix_caching: bool,
                  cache_root: bytes, static_batching: bool = False, release_window: int | None = None,
-                 max_pages_per_seq: int | None = None, num_speculative: int = 0, data_parallel: int = 1):
+                 max_pages_per_seq: int | None = None, num_speculative: int = 0, data_parallel: int = 1,
+                 hit_recompute: int = 0):
         """`release_window=W`: pages wholly behind the last W tokens return to the pool as a
         request advances (every layer windowed). `max_pages_per_seq`: a request never holds
         more pages (a streaming ring reuses its pages in place). `num_speculative=k`: a
         decoding request also gets budget and pages for up to k draft tokens. `data_parallel=D`:
         slots, pages and prefill rows split into D replicas (see the module docstring).
-        `max_tokens_per_step=None`: every decode token, draft and prefill row fits."""
+        `max_tokens_per_step=None`: every decode token, draft and prefill row fits.
+        `hit_recompute=N`: a prefix hit of H tokens resumes at the page boundary at or before
+        H - N, not at H (a hybrid model's rings need those keys:
+        `jaxinfer.kv.window_ring.hit_recompute`); it keeps the H tokens' shared pages."""
         if max_slots % data_parallel:
             raise ValueError(f"max_slots={max_slots} is not divisible by data_parallel={data_parallel}")
+        self.hit_recompute = hit_recompute
         self.num_speculative = num_speculative
         self.release_window = release_window
         self.max_pages_per_seq = max_pages_per_seq
@@ -203,8 +208,9 @@ class Scheduler:
             slot = self._pick_slot(req)
             allocator = self.allocators[self.replica_of(slot)]
             cached = self._lookup_prefix(req, allocator)
-            first_chunk = min(req.num_tokens - len(cached) * self.page_size, self.prefill_chunk)
-            need = self._pages_for(len(cached) * self.page_size + first_chunk) - len(cached)
+            start = self._resume_at(len(cached) * self.page_size)
+            first_chunk = min(req.num_tokens - start, self.prefill_chunk)
+            need = self._pages_for(start + first_chunk) - len(cached)
             if need > allocator.num_free:
                 allocator.free(cached)
                 return  # FCFS: nobody overtakes the head of the queue
@@ -212,8 +218,9 @@ class Scheduler:
             self.free_slots.remove(slot)
             req.pages = cached
             req.num_registered_pages = len(cached)
-            req.num_computed = len(cached) * self.page_size
-            req.metrics.num_cached_prompt_tokens = req.num_computed
+            req.num_shared_tokens = len(cached) * self.page_size
+            req.num_computed = start
+            req.metrics.num_cached_prompt_tokens = start
             req.slot = slot
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -257,7 +264,8 @@ class Scheduler:
 
         Requests admitted together all miss at admission; the first to prefill a shared
         prefix registers its pages, and the others pick them up here instead of
-        recomputing them. Only at a page boundary with no page allocated ahead.
+        recomputing them (but for the last `hit_recompute` tokens, when that skips any).
+        Only at a page boundary with no page allocated ahead.
         """
         if not self.enable_prefix_caching or req.num_computed != len(req.pages) * self.page_size:
             return
@@ -268,9 +276,16 @@ class Scheduler:
         pages = self._allocator(req).lookup(usable)
         self.stats.prefix_hits += len(pages)
         req.pages += pages
-        req.num_computed += len(pages) * self.page_size
         req.num_registered_pages = len(req.pages)
-        req.metrics.num_cached_prompt_tokens += len(pages) * self.page_size
+        req.num_shared_tokens = len(req.pages) * self.page_size
+        start = max(req.num_computed, self._resume_at(req.num_shared_tokens))
+        req.metrics.num_cached_prompt_tokens += start - req.num_computed
+        req.num_computed = start
+
+    def _resume_at(self, hit: int) -> int:
+        """Where a request whose first `hit` tokens are in cached pages resumes computing: `hit`,
+        or the page boundary `hit_recompute` tokens or more before it (see `__init__`)."""
+        return max(hit - self.hit_recompute, 0) // self.page_size * self.page_size
 
     def _register_full_prompt_pages(self, req: Request) -> None:
         full = min(req.num_computed, len(req.prompt)) // self.page_size

@@ -27,7 +27,7 @@ from jaxinfer.kv.pages import (NULL_PAGE, KVCacheSpec, WriteIndices, block_table
                                scatter_tokens)
 from jaxinfer.kv.plan import KVCacheArg, resolve_kv_cache
 from jaxinfer.kv.streaming import StreamingSpec, ring_write_indices
-from jaxinfer.kv.window_ring import ring_tables
+from jaxinfer.kv.window_ring import ring_pool_pages, ring_tables
 
 # Names that lived here before `pages`, `dense` and `layer_cache` split out; kept for one release.
 __all__ = ["NULL_PAGE", "KVCacheSpec", "LayerKV", "PagedKVState", "WriteIndices", "block_table_array",
@@ -43,15 +43,16 @@ class PagedKVState:
     # StreamingLLM ring of sinks + recent tokens (`jaxinfer.kv.streaming`).
     streaming: StreamingSpec | None = struct.field(pytree_node=False, default=None)
     # i32[max_slots, R]: each slot's ring of pages in the windowed layers' own pool (of
-    # max_slots * R + 1 pages), or None: every layer uses `block_tables` (`jaxinfer.kv.window_ring`).
+    # `window_pool_pages`), or None: every layer uses `block_tables` (`jaxinfer.kv.window_ring`).
     window_tables: jax.Array | None = None
+    # Static: pages of the windowed layers' pool (`jaxinfer.kv.window_ring.ring_pool_pages`), or None.
+    window_pool_pages: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def num_pages(self) -> int:
         """Pages in the pool of the layers addressed by `block_tables` (not the windowed pool)."""
         pools = [shape[0] for shape in self._leaf_shapes]
-        ring_pool = None if self.window_tables is None else self.window_tables.size + 1
-        return next((n for n in pools if n != ring_pool), pools[0])
+        return next((n for n in pools if n != self.window_pool_pages), pools[0])
 
     @property
     def page_size(self) -> int:
@@ -74,7 +75,7 @@ class PagedKVState:
 def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
                   streaming: StreamingSpec | None = None, kv_cache: KVCacheArg = "auto",
                   kv_head_copies: int = 1, layer_runs: tuple[int, ...] | None = None,
-                  window_ring: int | None = None) -> PagedKVState:
+                  window_ring: int | None = None, window_replicas: int = 1) -> PagedKVState:
     """An empty cache: zero pages, every block-table entry NULL_PAGE, every length 0.
 
     MLA models (`config.mla`) get `LatentKV` layers. `streaming` makes every slot a
@@ -95,6 +96,8 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
     `window_ring=R`: the sliding-window layers get a pool of their own, `spec.max_slots * R + 1`
     pages, each slot a ring of R (`jaxinfer.kv.window_ring.ring_pages` sizes it); the global
     layers keep `spec.num_pages`. Needs a model with both kinds of layer and no streaming.
+    `window_replicas=D` (a mesh's data axis) lays that pool out in D blocks, one per replica's
+    slots, `D * (spec.max_slots / D * R + 1)` pages (`jaxinfer.kv.window_ring.ring_pool_pages`).
     """
     if not isinstance(kv_head_copies, int) or kv_head_copies < 1:
         raise ValueError(f"kv_head_copies={kv_head_copies!r} must be a positive integer")
@@ -107,14 +110,15 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
         _check_window_ring(config, window_ring, streaming)
     if layer_runs is not None:
         def stacked() -> PagedKVState:  # under jit: the unrolled zeros are never materialized
-            kv = init_paged_kv(config, spec, dtype, streaming, kv_cache, kv_head_copies, window_ring=window_ring)
+            kv = init_paged_kv(config, spec, dtype, streaming, kv_cache, kv_head_copies, window_ring=window_ring,
+                               window_replicas=window_replicas)
             return kv.replace(layers=layer_stack.stack(kv.layers, layer_runs))
         return jax.jit(stacked)()
     dtype = jnp.dtype(dtype or config.dtype)
     if kv_cache != "auto" and (config.mla is not None or streaming is not None):
         _check_kv_cache_with(kv_cache, config, streaming)
     ring_spec = None if window_ring is None else dataclasses.replace(
-        spec, num_pages=spec.max_slots * window_ring + 1, max_pages_per_seq=window_ring)
+        spec, num_pages=ring_pool_pages(spec.max_slots, window_ring, window_replicas), max_pages_per_seq=window_ring)
 
     def layer_spec(i: int) -> KVCacheSpec:  # the pool layer i's pages live in
         return ring_spec if ring_spec is not None and config.window(i) is not None else spec
@@ -137,7 +141,8 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
         block_tables=jnp.full((spec.max_slots, spec.max_pages_per_seq), NULL_PAGE, jnp.int32),
         lengths=jnp.zeros((spec.max_slots,), jnp.int32),
         streaming=streaming,
-        window_tables=None if window_ring is None else jnp.asarray(ring_tables(spec.max_slots, window_ring)),
+        window_tables=None if window_ring is None else jnp.asarray(ring_tables(spec.max_slots, window_ring, window_replicas)),
+        window_pool_pages=None if ring_spec is None else ring_spec.num_pages,
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -67,6 +68,12 @@ class WriteIndices:
     offsets: jax.Array  # i32[B, T]: position within the page
     cache_index: jax.Array  # i32[B, T]: logical position of each new token in its sequence
     new_lengths: jax.Array  # i32[B]: the rows' cache lengths after this step
+
+
+def drop_writes_below(idx: WriteIndices, start: jax.Array, num_pages: int) -> WriteIndices:
+    """`idx` with the writes of tokens at cache positions < start[b] dropped (page id
+    `num_pages`, out of bounds), as padding's are; reads are unchanged. start: i32[B]."""
+    return dataclasses.replace(idx, page_ids=jnp.where(idx.cache_index < start[:, None], num_pages, idx.page_ids))
 
 
 def block_table_array(pages_per_slot: list[list[int]], max_pages_per_seq: int) -> np.ndarray:

@@ -21,9 +21,22 @@ keys were rotated by their true positions when written, so the shifted view give
 result; keys before `first` are behind every query's window (R's sizing). Whatever a ring
 page held before (an earlier logical page, a previous request of the slot) is at a view
 position no query may see, and the masks replace it.
+
+On a mesh the pool is split over `data` like the global one: replica r (slots r * S/D ...)
+owns block r of D equal blocks, `S/D * R + 1` pages each, the first page of each block a
+spare (block 0's is NULL_PAGE), so every ring a replica's slots use lies on its devices::
+
+    max_slots = 4, R = 3, D = 2  ->  pool of 2 * (2 * 3 + 1) = 14 pages
+    block 0: [0=NULL | slot 0: 1 2 3 | slot 1: 4 5 6]   block 1: [7 | slot 2: 8 9 10 | slot 3: 11 12 13]
+
+Prefix caching: a hit's shared pages hold the global layers' K/V only; a ring starts empty. The
+request resumes `hit_recompute` tokens (rounded to pages) before the hit's end so its rings
+receive exact keys, and the global layers drop their writes into the shared pages meanwhile.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,19 +51,52 @@ def ring_pages(window: int, max_chunk: int, page_size: int) -> int:
     return -(-(window - 1 + max_chunk) // page_size) + 1
 
 
-def ring_tables(max_slots: int, ring: int) -> np.ndarray:
-    """i32[max_slots, ring]: slot s owns pages 1 + s * ring ... (s + 1) * ring of the windowed
-    layers' pool (of `max_slots * ring + 1` pages; NULL_PAGE stays reserved)."""
-    return (NULL_PAGE + 1 + np.arange(max_slots * ring, dtype=np.int32)).reshape(max_slots, ring)
+def hit_recompute(windows: Sequence[int | None]) -> int:
+    """Tokens before the end H of a prefix-cache hit that a request must recompute, so that
+    its rings hold exact keys for every query from H on: the sum of W - 1 over the windowed
+    layers (`windows`: each layer's window, None for a global one).
+
+    The cached pages give the global layers exact K/V for every position < H, but a new
+    request's rings start empty. Recomputing from S, a windowed layer's K/V at position t is
+    exact once the hidden state feeding it is, and a windowed layer's output at t is exact once
+    its keys t - W + 1 ... t are: each windowed layer pushes the first exact position W - 1
+    further (a global layer reads the cached K/V, exact, and pushes nothing). So the queries
+    from H on see exact keys in every layer iff S + sum(W - 1) <= H. One window (W' = W rounded
+    to pages) is not enough with two windowed layers or more::
+
+        2 windowed layers, W = 4, H = 16, S = 12: layer 0's keys 12..15 are exact, but its
+        outputs at 12..14 miss keys 9..11, so layer 1's keys 13..15, which query 16 reads, are not.
+
+    The recomputed positions below H are in shared pages: the global layers must not write
+    them there (`TokenGroup.shared`), since their values there are not exact."""
+    return sum(w - 1 for w in windows if w is not None)
 
 
-def ring_indices(idx: WriteIndices, tables: jax.Array, page_size: int) -> WriteIndices:
+def ring_pool_pages(max_slots: int, ring: int, replicas: int = 1) -> int:
+    """Pages of the windowed layers' pool: `replicas` blocks of max_slots / replicas rings and a
+    spare page each (module docstring); `max_slots * ring + 1` on one device."""
+    if max_slots % replicas:
+        raise ValueError(f"max_slots={max_slots} is not divisible by {replicas} data replicas")
+    return replicas * (max_slots // replicas * ring + 1)
+
+
+def ring_tables(max_slots: int, ring: int, replicas: int = 1) -> np.ndarray:
+    """i32[max_slots, ring]: the pages of each slot's ring in the windowed layers' pool of
+    `ring_pool_pages(max_slots, ring, replicas)` pages: slot s of replica r = s // (max_slots /
+    replicas) owns `ring` pages of block r, after its spare page (NULL_PAGE in block 0)."""
+    per_replica = max_slots // replicas
+    slot = np.arange(max_slots, dtype=np.int32)
+    first = (slot // per_replica) * (per_replica * ring + 1) + NULL_PAGE + 1 + (slot % per_replica) * ring  # [max_slots]
+    return first[:, None] + np.arange(ring, dtype=np.int32)[None, :]
+
+
+def ring_indices(idx: WriteIndices, tables: jax.Array, page_size: int, num_pages: int) -> WriteIndices:
     """A step's write indices (`paged_state.write_indices`) as the windowed layers see them:
     tokens land in ring page (cache_index // page_size) % R, and attention reads the rotated
     view with shifted positions (module docstring). Padding tokens (cache_index >= new
-    length) get page id `num_ring_pages` (out of bounds: dropped).
+    length) get page id `num_pages` (out of bounds: dropped).
 
-    tables: i32[max_slots, R] (`ring_tables`)."""
+    tables: i32[max_slots, R] (`ring_tables`); num_pages: the ring pool's size (`ring_pool_pages`)."""
     ring = tables.shape[1]
     rows = tables[idx.slots]  # [B, R]
     first = jnp.maximum((idx.new_lengths - 1) // page_size - ring + 1, 0)  # [B]: oldest logical page in view
@@ -61,7 +107,7 @@ def ring_indices(idx: WriteIndices, tables: jax.Array, page_size: int) -> WriteI
     return WriteIndices(
         slots=idx.slots,
         block_tables=view,
-        page_ids=jnp.where(valid, page_ids, tables.size + 1),
+        page_ids=jnp.where(valid, page_ids, num_pages),
         offsets=idx.offsets,
         cache_index=idx.cache_index - shift,
         new_lengths=idx.new_lengths - shift[:, 0],

@@ -25,7 +25,7 @@ from jaxinfer.attention.mesh import sharded_write_and_attend, write_and_attend
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.layer_cache import LayerCache, stored_kv_heads
-from jaxinfer.kv.pages import WriteIndices
+from jaxinfer.kv.pages import WriteIndices, drop_writes_below
 from jaxinfer.kv.paged_state import PagedKVState, write_indices
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.kv.window_ring import ring_indices
@@ -49,6 +49,11 @@ class TokenGroup:
     # decode group, row b = slot b; the engine's prefill rows): on a mesh they split over
     # `data`. Other groups are shared by every data replica.
     by_replica: bool = struct.field(pytree_node=False, default=False)
+    # i32[B]: each row's sequence holds its first `shared[b]` tokens in pages taken from the
+    # prefix cache, which other requests may read: the layers writing block-table pages drop
+    # writes there (a hybrid model recomputes some of them for its windowed layers' rings:
+    # `jaxinfer.kv.window_ring.hit_recompute`). None: nothing shared is recomputed.
+    shared: jax.Array | None = None
 
 
 def _split(x: jax.Array, groups: tuple[TokenGroup, ...]) -> list[jax.Array]:
@@ -182,7 +187,9 @@ def forward_hidden(
     `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     # windowed layers of a hybrid model: their own pool, a ring of pages per slot (`jaxinfer.kv.window_ring`)
-    ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size) for i in idxs]
+    ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size, kv.window_pool_pages)
+                                                       for i in idxs]
+    idxs = [i if g.shared is None else drop_writes_below(i, g.shared, kv.num_pages) for i, g in zip(idxs, groups)]
     inv_freq = {w: layer_inv_freq(config, w) for w in {None, *config.layer_windows}}  # f32[Dh/2] per window
     if inputs is None:
         inputs = _flat([params.embed[g.tokens] for g in groups])
