@@ -1,33 +1,38 @@
-"""Paged decode attention for Hopper GPUs (sm90: H100/H200) on **Pallas Mosaic GPU**, dense bf16/f16,
-int8 and fp8 pages.
+"""Paged attention for Hopper GPUs (sm90: H100/H200) on **Pallas Mosaic GPU**: decode and chunked
+prefill over dense bf16/f16, int8 and fp8 pages, one kernel.
 
 Mosaic GPU is JAX's GPU lowering from 0.10 on (Pallas Triton is deprecated from 0.11): a
 program is one warpgroup, pages move GMEM -> SMEM by TMA, and both matmuls run on the tensor
-cores (`wgmma`, 64-row tiles). Same contract as `paged_decode_gpu` (the Triton kernel, which
-stays for f32 pages, KIVI int4/int2 and pre-Hopper GPUs; `jaxinfer.attention.dispatch` says
-which runs where). Reference: `jaxinfer.attention.reference.paged_attention_reference`;
-tests/test_pallas_mgpu.py runs this kernel in jax's GPU interpret mode on CPU.
+cores (`wgmma`, 64-row tiles). `paged_decode_mgpu` and `chunked_prefill_mgpu` have the
+contracts of the Triton kernels `paged_decode_gpu` / `chunked_prefill_gpu`, which stay for f32
+pages, KIVI int4/int2 and pre-Hopper GPUs (`jaxinfer.attention.dispatch.gpu_kernel_family`
+says which runs where). Reference: `jaxinfer.attention.reference.paged_attention_reference`;
+tests/test_pallas_mgpu.py runs these kernels in jax's GPU interpret mode on CPU.
 
 Layout. A page holds S tokens of every KV head, [S, Hkv, Dh], contiguous: viewed as
 [S * Hkv, Dh] it is a tile of keys in (token, head) order, and one TMA copy brings all heads of
-a page. A program owns one sequence and *all* its heads, so every key is read exactly once and
-the per-token scales of int8 / fp8 pages ([S, Hkv] per page) are one contiguous row. Query rows
-are the Hq query heads padded to 64 (wgmma's M); row r belongs to KV head r // G and sees only
-its head's columns (the mask drawn in gpu_tiles.py). The wasted tensor-core work (a factor Hkv)
-is cheap: decode is bound by the pages' bytes::
+a page. An *all-heads* program (decode; prefill over int8 / fp8 pages) owns a sequence's heads,
+so every key is read once and an int8 / fp8 page's per-token scales ([S, Hkv]) are one
+contiguous row. Its query rows are the query heads (decode) or (query, head) pairs (prefill),
+padded to 64 (wgmma's M); row r belongs to KV head (r % Hq) // G and sees only its head's
+columns (the mask drawn in gpu_tiles.py). The tensor cores then also multiply other heads'
+columns (a factor Hkv, masked): cheap for decode, bound by the pages' bytes. A *per-head*
+program (prefill over dense pages) owns one KV head and (query, group head) rows, reading that
+head's [S, Dh] slice of each page (a strided TMA copy), so prefill pays no such factor::
 
-    step (ppb pages, or one chunk of a page when S * Hkv > N_max):
-      TMA  k, v pages [S*Hkv, Dh] (+ scale rows [S*Hkv]) -> SMEM slot (double-buffered: the
-           next step's copy is in flight while this one computes)
-      quantized: SMEM -> registers -> bf16 -> SMEM (the scales are applied to the scores'
-           columns and to the probabilities' columns, so K and V only change dtype)
+    tile (ppb pages, or one chunk of a page when a page has more keys than a tile holds):
+      TMA  k, v pages [S*Hkv, Dh] (per-head: [S, Dh]) (+ scale rows) -> SMEM slot
+           (double-buffered: the next tile's copy is in flight while this one computes)
+      quantized: SMEM -> registers -> bf16 / f16 -> SMEM (the scales are applied to the
+           scores' columns and to the probabilities' columns, so K and V only change dtype)
       V rows past the length -> 0 (their bytes may be anything, NaN included)
       s = q @ k^T (wgmma)  -> scale, soft-cap, mask, online softmax (common.py's formulas)
       acc += p @ v (wgmma)
 
-Grid (B, k_splits): split s walks schedule steps [s * n, (s + 1) * n) of common.page_schedule
-(sinks, window, length) and writes (m, l, acc); the wrapper merges the splits and adds the sink
-logits (common.merge_partials / finalize), as the Triton kernel does.
+Grid (B, query blocks, k_splits): split s walks schedule steps [s * n, (s + 1) * n) of
+common.page_schedule over its block's query positions (sinks, window, length) and writes
+(m, l, acc); the wrapper merges the splits and adds the sink logits (common.merge_partials /
+finalize), as the Triton kernels do. Decode splits the key axis; prefill does not.
 """
 
 from __future__ import annotations
@@ -63,8 +68,10 @@ class MgpuTiles:
     group: int  # query heads per KV head
     rows: int  # query rows, a multiple of 64
     head_dim: int
-    pages_per_step: int  # pages per tile (pages_per_step * S * Hkv keys) ...
-    chunks: int  # ... or chunks per page (one page of S * Hkv keys in `chunks` tiles)
+    tile_heads: int  # KV heads in a tile: all (Hkv), or 1 (per-head programs: dense prefill)
+    head_blocks: int  # per-head programs: query blocks per KV head (block j reads head j // head_blocks)
+    pages_per_step: int  # pages per tile (pages_per_step * S * tile_heads keys) ...
+    chunks: int  # ... or chunks per page (one page of S * tile_heads keys in `chunks` tiles)
     steps_per_split: int  # schedule steps (pages) per split, a multiple of pages_per_step
     opts: AttentionOptions
     scale: float
@@ -73,19 +80,19 @@ class MgpuTiles:
     @property
     def keys(self) -> int:
         """Keys per tile (N)."""
-        return self.pages_per_step * self.page_size * self.kv_heads // self.chunks
+        return self.pages_per_step * self.page_size * self.tile_heads // self.chunks
 
     @property
     def quantized(self) -> bool:
         return self.fmt != "dense"
 
 
-def tiles_for(pages: KernelPages, rows: int) -> tuple[int, int]:
+def tiles_for(pages: KernelPages, rows: int, per_head: bool = False) -> tuple[int, int]:
     """(pages per tile, chunks per page) for `rows` query rows. A tile holds a multiple of 64 keys (the V
     tile's register layout): several small pages, one page, or a chunk of a large one, as
     many keys as fit SMEM (`smem_bytes`) up to 256 (wgmma's largest N; 128 for row blocks
     over 64, whose registers run out first)."""
-    page_keys = pages.page_size * pages.num_kv_heads
+    page_keys = pages.page_size * (1 if per_head else pages.num_kv_heads)
     if page_keys <= ROWS:
         return max(1, ROWS // page_keys), 1
     chunks = max(1, page_keys // (MAX_KEYS if rows == ROWS else MAX_KEYS // 2))
@@ -107,20 +114,23 @@ def smem_bytes(pages: KernelPages, rows: int, keys: int) -> int:
     return total
 
 
-def check_mgpu_shapes(pages: KernelPages, rows: int) -> None:
+def check_mgpu_shapes(pages: KernelPages, rows: int, per_head: bool = False) -> None:
     """What this kernel's tiles need for `rows` query rows; raises ValueError naming the size
     (the dispatch then uses the Triton kernel)."""
     if pages.format not in MGPU_FORMATS:
         raise ValueError(f"the Mosaic GPU decode kernel reads {MGPU_FORMATS} pages, not {pages.format}")
     if pages.format == "dense" and pages.k.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"the Mosaic GPU decode kernel reads bf16/f16 dense pages, not {pages.k.dtype}")
-    dh, page_keys = pages.head_dim, pages.page_size * pages.num_kv_heads
+    dh, page_keys = pages.head_dim, pages.page_size * (1 if per_head else pages.num_kv_heads)
+    if per_head and pages.format != "dense":
+        raise ValueError("per-head programs read dense pages only (a head's scales are not contiguous)")
     if dh % 64:
         raise ValueError(f"head_dim={dh} must be a multiple of 64 (the 128-byte swizzled SMEM tiles)")
-    ppb, chunks = tiles_for(pages, rows)
+    ppb, chunks = tiles_for(pages, rows, per_head)
     keys = ppb * page_keys // chunks
     if keys % ROWS or page_keys % chunks or (ppb > 1 and ROWS % page_keys):
-        raise ValueError(f"page_size * kv_heads = {page_keys} must divide 64 or be a multiple of it")
+        raise ValueError(f"keys per page {page_keys} (page_size x KV heads in a tile) must divide 64 or be a "
+                         "multiple of it")
     if smem_bytes(pages, rows, keys) > SMEM_BYTES:
         raise ValueError(f"a {keys}-key tile of head_dim {dh} needs {smem_bytes(pages, rows, keys)} bytes of SMEM")
     if pages.format != "dense" and (page_keys // chunks) % 32:
@@ -148,8 +158,9 @@ def query_rows(q_heads: int, decode: bool) -> int:
 
 def mgpu_supports(pages: KernelPages, q_heads: int, *, decode: bool) -> bool:
     """Do the Mosaic GPU kernels take these pages and heads (else the Triton ones run)?"""
+    per_head = not decode and pages.format == "dense" and pages.num_kv_heads > 1  # chunked_prefill_mgpu's choice
     try:
-        check_mgpu_shapes(pages, query_rows(q_heads, decode))
+        check_mgpu_shapes(pages, query_rows(q_heads // pages.num_kv_heads if per_head else q_heads, decode), per_head)
     except ValueError:
         return False
     return True
@@ -182,7 +193,8 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, 
     start = split * cfg.steps_per_split
     stop = jnp.minimum(start + cfg.steps_per_split, sched.count)
     ppb, chunks, n = cfg.pages_per_step, cfg.chunks, cfg.keys
-    page_rows = cfg.page_size * cfg.kv_heads // chunks  # rows of one TMA copy
+    page_rows = cfg.page_size * cfg.tile_heads // chunks  # rows of one TMA copy
+    head = block // cfg.head_blocks  # per-head programs: their KV head
     tiles = cdiv(jnp.maximum(stop - start, 0), ppb) * chunks  # tiles this split folds in
 
     def tile_pages(t):
@@ -198,8 +210,9 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, 
         for i, step in enumerate(steps):
             page = bt_ref[b, sched.logical_page(step)]
             rows = pl.ds(i * page_rows, page_rows)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, chunk], k_stage.at[slot, rows], bar)
-            plgpu.copy_gmem_to_smem(v_ref.at[page, chunk], v_stage.at[slot, rows], bar)
+            src = (page, chunk) if cfg.tile_heads == cfg.kv_heads else (page, chunk, slice(None), head)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_stage.at[slot, rows], bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_stage.at[slot, rows], bar)
             if cfg.quantized:
                 plgpu.copy_gmem_to_smem(k_scale_ref.at[page, chunk], ks_stage.at[slot, rows], bar)
                 plgpu.copy_gmem_to_smem(v_scale_ref.at[page, chunk], vs_stage.at[slot, rows], bar)
@@ -207,13 +220,14 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, 
     def key_positions(t, col):
         """Cache position of key column `col` of tile t (i32, col's shape) and whether it is read."""
         steps, real, chunk = tile_pages(t)
-        token = col // cfg.kv_heads  # token within the tile
+        token = col // cfg.tile_heads  # token within the tile
         pos = jnp.zeros_like(col)
         ok = jnp.zeros(col.shape, jnp.bool_)
         for i, (step, is_real) in enumerate(zip(steps, real)):
-            here = (token // (page_rows // cfg.kv_heads)) == i
-            base = sched.logical_page(step) * cfg.page_size + chunk * (page_rows // cfg.kv_heads)
-            pos = jnp.where(here, base + token % (page_rows // cfg.kv_heads), pos)
+            page_tokens = page_rows // cfg.tile_heads
+            here = (token // page_tokens) == i
+            base = sched.logical_page(step) * cfg.page_size + chunk * page_tokens
+            pos = jnp.where(here, base + token % page_tokens, pos)
             ok = ok | (here & is_real)
         return pos, ok & (pos < length)
 
@@ -257,9 +271,9 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, 
         key_pos, key_ok = key_positions(t, col)
         if cfg.quantized:  # per-token key scale: a column scale of the scores
             s = s * _columns(ks_stage.at[slot], s.shape, cfg)
-        row_head = (row % cfg.q_heads) // cfg.group  # KV head of row r's query head
-        vis = key_ok & (row_head == col % cfg.kv_heads) & visible(
-            key_pos, lax.broadcast_in_dim(row_pos, s.shape, [0]), length, cfg.opts)
+        vis = key_ok & visible(key_pos, lax.broadcast_in_dim(row_pos, s.shape, [0]), length, cfg.opts)
+        if cfg.tile_heads > 1:  # row r reads only its query head's KV head's columns
+            vis = vis & ((row % cfg.q_heads) // cfg.group == col % cfg.tile_heads)
         s = jnp.where(vis, cap_scores(s * cfg.scale, cfg.opts.soft_cap), MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         correction = jnp.exp(m - m_new)
@@ -305,18 +319,23 @@ def _columns(scales_ref, shape, cfg: MgpuTiles) -> jax.Array:
 
 
 def _attend(q_rows, row_pos, q_lo, q_hi, pages: KernelPages, block_tables, lengths, *, q_heads: int, splits: int,
-            steps_per_split: int, scale: float, opts: AttentionOptions, interpret: bool):
+            steps_per_split: int, scale: float, opts: AttentionOptions, interpret: bool, per_head: bool = False):
     """Run the kernel over query row blocks -> partials (m, l f32[splits, B, blocks, rows, 1], acc
-    f32[..., rows, Dh]). q_rows [B, blocks, rows, Dh] (row r: query head r % q_heads), row_pos
-    i32[B, blocks, rows] (-1: padding, sees nothing), q_lo / q_hi i32[B, blocks]."""
+    f32[..., rows, Dh]). q_rows [B, blocks, rows, Dh] (row r: query head r % q_heads; `per_head`:
+    block j holds queries of KV head j // (blocks / Hkv) only), row_pos i32[B, blocks, rows]
+    (-1: padding, sees nothing), q_lo / q_hi i32[B, blocks]."""
     b, blocks, rows, dh = q_rows.shape
     hkv, page_size = pages.num_kv_heads, pages.page_size
-    ppb, chunks = tiles_for(pages, rows)
-    cfg = MgpuTiles(pages.format, page_size, hkv, q_heads, q_heads // hkv, rows, dh, ppb, chunks, steps_per_split,
-                    opts, scale, interpret)
+    ppb, chunks = tiles_for(pages, rows, per_head)
+    tile_heads = 1 if per_head else hkv
+    cfg = MgpuTiles(pages.format, page_size, hkv, q_heads, q_heads // hkv, rows, dh, tile_heads,
+                    blocks // hkv if per_head else blocks, ppb, chunks, steps_per_split, opts, scale, interpret)
     n, dtype, stored = cfg.keys, compute_dtype(pages), pages.k.dtype
-    # [P, S, Hkv, ...] -> [P, chunks, S * Hkv / chunks, ...]: a TMA copy takes one (page, chunk)
+    # [P, S, Hkv, ...] -> [P, chunks, S * Hkv / chunks, ...]: a TMA copy takes one (page, chunk);
+    # per-head programs: [P, chunks, S / chunks, Hkv, Dh], a copy takes one head's (page, chunk)
     flat = lambda a: a.reshape(a.shape[0], chunks, page_size * hkv // chunks, *a.shape[3:])
+    if per_head:
+        flat = lambda a: a.reshape(a.shape[0], chunks, page_size // chunks, *a.shape[2:])
     operands = [flat(pages.k), flat(pages.v)]
     scales = scale_dtype(pages, page_size * hkv // chunks) if cfg.quantized else jnp.float32
     if cfg.quantized:
@@ -356,14 +375,13 @@ def default_splits(batch: int, steps: int, pages_per_tile: int) -> int:
     return max(1, min(cdiv(steps, 8 * pages_per_tile), cdiv(132 * 2, batch)))
 
 
-def _finish(m, l, acc, sink_logits, q_heads: int) -> jax.Array:
-    """Merge the splits, add the sink logits (row r: head r % q_heads) -> f32[B, blocks, rows, Dh]."""
+def _finish(m, l, acc, sink_logits, row_heads: jax.Array) -> jax.Array:
+    """Merge the splits, add the sink logits (row_heads: i32[blocks, rows], each row's query
+    head) -> f32[B, blocks, rows, Dh]."""
     m, l, acc = merge_partials(m, l, acc)
     sink = None
     if sink_logits is not None:
-        rows = acc.shape[-2]
-        sink = sink_logits.astype(jnp.float32)[jnp.arange(rows) % q_heads]
-        sink = jnp.broadcast_to(sink[:, None], (*acc.shape[:-1], 1))
+        sink = jnp.broadcast_to(sink_logits.astype(jnp.float32)[row_heads][..., None], (*acc.shape[:-1], 1))
     return finalize(m, l, acc, sink)
 
 
@@ -403,7 +421,7 @@ def paged_decode_mgpu(
     partials = _attend(q_rows, row_pos, query_pos[:, None], query_pos[:, None], pages, block_tables, lengths,
                        q_heads=hq, splits=splits, steps_per_split=cdiv(cdiv(steps, splits), ppb) * ppb,
                        scale=scale, opts=opts, interpret=interpret)
-    return _finish(*partials, sink_logits, hq)[:, 0, :hq].astype(q.dtype)
+    return _finish(*partials, sink_logits, jnp.arange(rows)[None] % hq)[:, 0, :hq].astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "opts", "interpret"))
@@ -421,29 +439,45 @@ def chunked_prefill_mgpu(
     interpret: bool = False,
 ) -> jax.Array:
     """A chunk of queries through block tables -> [B, T, Hq, Dh]: the contract of
-    `chunked_prefill_gpu`. A program owns block_q = rows / Hq queries of all heads (row
-    r = t * Hq + h, 64 rows, 128 past 64 heads) and walks the pages its queries can see."""
+    `chunked_prefill_gpu`. Dense pages: a program owns one KV head and block_q = 64 / G of its
+    queries x the G query heads reading it (row r = t * G + g; 128 rows past G = 64), so the
+    tensor cores work on that head's keys only. int8 / fp8 pages: a program owns all heads
+    (their scales are one row per page) and block_q = 64 / Hq queries (row r = t * Hq + h)."""
     del slots
     b, t, hq, dh = q.shape
     pages.validate()
     check_prefill_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)
-    rows = query_rows(hq, decode=False)
-    check_mgpu_shapes(pages, rows)
-    ppb, _ = tiles_for(pages, rows)
-    block_q = rows // hq
+    hkv = pages.num_kv_heads
+    per_head = pages.format == "dense" and hkv > 1  # (one KV head: the same programs either way)
+    heads = hq // hkv if per_head else hq  # query heads in a block's rows
+    rows = query_rows(heads, decode=False)
+    check_mgpu_shapes(pages, rows, per_head)
+    ppb, _ = tiles_for(pages, rows, per_head)
+    block_q = rows // heads
     blocks = cdiv(t, block_q)
     pad_t = blocks * block_q - t
     pos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1).reshape(b, blocks, block_q)
     real = jnp.arange(blocks * block_q).reshape(blocks, block_q) < t
     q_hi = jnp.max(jnp.where(real, pos, -1), axis=2)
     q_lo = jnp.where(q_hi < 0, 0, jnp.min(jnp.where(real, pos, jnp.iinfo(jnp.int32).max), axis=2))
-    row_pad = ((0, 0), (0, 0), (0, rows - block_q * hq))
-    row_pos = jnp.pad(jnp.repeat(pos, hq, axis=2), row_pad, constant_values=-1)  # [B, blocks, rows]
-    q_rows = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0))).reshape(b, blocks, block_q * hq, dh)
+    row_pad = ((0, 0), (0, 0), (0, rows - block_q * heads))
+    row_pos = jnp.pad(jnp.repeat(pos, heads, axis=2), row_pad, constant_values=-1)  # [B, blocks, rows]
+    q = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    row_heads = jnp.arange(rows) % heads  # [rows]: a row's query head (within its KV head's group)
+    if per_head:  # blocks j = h * blocks + i: query block i of KV head h
+        q_rows = q.reshape(b, blocks, block_q, hkv, heads, dh).transpose(0, 3, 1, 2, 4, 5)
+        q_rows = q_rows.reshape(b, hkv * blocks, block_q * heads, dh)
+        row_pos, q_lo, q_hi = (jnp.tile(a, (1, hkv) + (1,) * (a.ndim - 2)) for a in (row_pos, q_lo, q_hi))
+        row_heads = (jnp.arange(hkv)[:, None, None] * heads + row_heads).repeat(blocks, axis=1).reshape(-1, rows)
+    else:
+        q_rows = q.reshape(b, blocks, block_q * hq, dh)
+        row_heads = row_heads[None]
     q_rows = jnp.pad(q_rows, (*row_pad, (0, 0)))
     partials = _attend(q_rows, row_pos, q_lo, q_hi, pages, block_tables, lengths, q_heads=hq, splits=1,
                        steps_per_split=cdiv(block_tables.shape[1], ppb) * ppb, scale=scale, opts=opts,
-                       interpret=interpret)
-    out = _finish(*partials, sink_logits, hq)[:, :, :block_q * hq]  # [B, blocks, block_q * Hq, Dh]
+                       interpret=interpret, per_head=per_head)
+    out = _finish(*partials, sink_logits, row_heads)[:, :, :block_q * heads]  # [B, blocks', block_q * heads, Dh]
+    if per_head:
+        out = out.reshape(b, hkv, blocks, block_q, heads, dh).transpose(0, 2, 3, 1, 4, 5)
     return out.reshape(b, blocks * block_q, hq, dh)[:, :t].astype(q.dtype)

@@ -99,10 +99,20 @@ def test_mgpu_prefill_edge_lengths(fmt, dtype):
 
 @pytest.mark.parametrize("fmt", ["dense", "int8"])
 def test_mgpu_prefill_query_blocks_window_sinks_softcap(fmt):
-    """32 query heads: blocks of 2 queries (64 rows), 5 queries in 3 blocks, each walking only
-    the pages its own queries see; pages behind every window are poisoned."""
+    """32 query / 8 KV heads, 5 queries: dense pages go to per-head programs (4 query heads x 16
+    queries in 64 rows), int8 pages to all-heads programs (32 heads x 2 queries: 3 blocks, each
+    walking only the pages its own queries see); pages behind every window are poisoned."""
     case = make_case(fmt, "bfloat16", [60, 64, 37, 23], t=5, heads=(32, 8), head_dim=64, page=PAGE,
                      poison_pages=[(0, 1), (1, 1)])
     sinks = jnp.linspace(-2.0, 1.5, 32)
     out = _prefill(case, AttentionOptions(**OPTIONS), sinks)
     assert_close(out, reference(case, sink_logits=sinks, **OPTIONS), "bfloat16")
+
+
+@pytest.mark.parametrize("heads,page,fmt", [((32, 8), 16, "dense"), ((8, 1), 64, "dense"), ((32, 8), 16, "fp8_e5m2")])
+def test_mgpu_prefill_production_shapes(heads, page, fmt):
+    """head_dim 128, a chunk of 7 queries: per-head programs over pages of 16 (4 to a tile) and
+    MQA pages of 64; all-heads programs over fp8 pages."""
+    case = make_case(fmt, "bfloat16", [7, page + 3, 2 * page + 7], t=7, heads=heads, head_dim=128, page=page,
+                     max_pages=3)
+    assert_close(_prefill(case), reference(case), "bfloat16")
