@@ -72,7 +72,7 @@ def test_a_step_runs_the_smallest_compiled_bucket_that_fits(model):
     largest = [k for k in eng.program_keys() if k[0] == eng.context_buckets[-1]]
     for key in largest:
         eng._compile(key)
-    eng._compile_feed()  # the block-table update, which warm-up compiles first
+    eng._compile_side_programs()  # the block-table update, which warm-up compiles first
     eng._compiler = BackgroundCompiler(lambda key: None, [])  # warm-up "running", nothing more to come
     eng._compiler._done.update(largest)
     before = eng.metrics().compiled_programs

@@ -9,9 +9,9 @@
 Each `step()` asks the `Scheduler` what to run, packs it into a fixed-shape `StepBatch`
 (numpy on the host), runs the jitted `engine_step`, and hands the sampled tokens back to
 the requests. The block tables stay on the device; each step sends only the entries the
-scheduler changed (`jaxinfer.kv.table_updates`). Bad input raises at `add_request` and never disturbs running requests; a
-step that fails anyway finishes only the request(s) that caused it, with finish_reason
-"error" (see `step`).
+scheduler changed (`jaxinfer.kv.table_updates`). Bad input raises at `add_request` and
+never disturbs running requests; a step that fails anyway finishes only the request(s) that
+caused it, with finish_reason "error" (see `step`).
 """
 
 from __future__ import annotations
@@ -664,7 +664,7 @@ class Engine:
         `start_warmup` does the same in the background while the engine serves."""
         for key in self.program_keys():
             self._compile(key)
-        self._compile_feed()
+        self._compile_side_programs()
         return len(self.program_keys())
 
     def start_warmup(self) -> None:
@@ -673,10 +673,10 @@ class Engine:
         bucket that holds its sequences, and compiles (or waits for) one itself only when none
         does. `ready` says when the smallest bucket's programs are there."""
         if self._compiler is None:
-            self._compile_feed()
+            self._compile_side_programs()
             self._compiler = BackgroundCompiler(self._compile, self.program_keys())
 
-    def _compile_feed(self) -> None:
+    def _compile_side_programs(self) -> None:
         """Compile the tiny programs every step may call with the steps: the block-table
         update, and with asynchronous scheduling `feed_decode_tokens`."""
         tables = jax.ShapeDtypeStruct(self.kv.block_tables.shape, jnp.int32, sharding=self.kv.block_tables.sharding)
