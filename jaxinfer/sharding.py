@@ -289,7 +289,7 @@ def shard_table_updates(mesh: Mesh, apply: Callable) -> tuple[Callable, Callable
     the step that follows compiles nothing new; a function placing an update there)."""
     rep = replicated(mesh)
     fn = jax.jit(apply.__wrapped__, donate_argnums=0, in_shardings=(rep, rep), out_shardings=rep)
-    return fn, lambda updates: put(updates, rep)
+    return fn, lambda updates: put(updates, jax.tree.map(lambda _: rep, updates))
 
 
 def shard_speculation(mesh: Mesh, params: Any, kv: Any, draft: Any, draft_kv: Any, draft_vocab: Any, step: Callable
