@@ -65,25 +65,26 @@ class TableMirror:
         """Updates that make the device rows equal (slot, pages) for each changed slot given
         (pages [] for a freed slot), in updates of `size` triples; [] when nothing differs.
         The mirror takes the new rows as sent."""
-        slots, columns, pages = [], [], []
-        for slot, new in rows:
-            n = max(len(new), int(self.used[slot]))
-            row = np.full(n, NULL_PAGE, np.int32)  # i32[n]
-            row[: len(new)] = new
-            changed = np.flatnonzero(self.rows[slot, :n] != row)  # i64[c]
-            slots.append(np.full(len(changed), slot, np.int32))
-            columns.append(changed.astype(np.int32))
-            pages.append(row[changed])
-            self.rows[slot, :n] = row
-            self.used[slot] = len(new)
-        if not slots or not (total := sum(len(s) for s in slots)):
+        triples = [self._take_row(slot, pages) for slot, pages in rows]
+        if not triples or not sum(len(t[0]) for t in triples):
             return []
-        flat = [np.concatenate(a) for a in (slots, columns, pages)]
-        out = []
-        for start in range(0, total, self.size):
-            update = self.idle()
-            for dest, src in zip((update.slots, update.columns, update.pages), flat):
-                part = src[start: start + self.size]
-                dest[: len(part)] = part
-            out.append(update)
-        return out
+        slots, columns, pages = (np.concatenate(part) for part in zip(*triples))  # i32[T] each
+        return [self._pack(slots[i: i + self.size], columns[i: i + self.size], pages[i: i + self.size])
+                for i in range(0, len(slots), self.size)]
+
+    def _take_row(self, slot: int, new: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Slot `slot`'s row becomes `new` (NULL_PAGE after it) -> the (slots, columns, pages)
+        i32[c] of its c entries that differ from what the device holds."""
+        n = max(len(new), int(self.used[slot]))
+        row = np.full(n, NULL_PAGE, np.int32)  # i32[n]
+        row[: len(new)] = new
+        changed = np.flatnonzero(self.rows[slot, :n] != row).astype(np.int32)  # i32[c]
+        self.rows[slot, :n] = row
+        self.used[slot] = len(new)
+        return np.full(len(changed), slot, np.int32), changed, row[changed]
+
+    def _pack(self, slots: np.ndarray, columns: np.ndarray, pages: np.ndarray) -> TableUpdates:
+        """Up to `size` triples (i32[<= size] each), padded to one update."""
+        update = self.idle()
+        update.slots[: len(slots)], update.columns[: len(slots)], update.pages[: len(slots)] = slots, columns, pages
+        return update
