@@ -64,7 +64,7 @@ for width in engine.context_buckets:  # every program is compiled: this is run t
     times = []
     for _ in range(7):
         t = time.perf_counter()
-        jax.block_until_ready(engine._dispatch(0, batch, None, None))
+        jax.block_until_ready(engine._dispatch(0, batch, None, None, []))
         times.append(time.perf_counter() - t)
     steps[width] = 1e3 * float(np.median(times[2:]))
 print(json.dumps({"warmup_cpu_s": warmup, "compiled_programs": engine.metrics().compiled_programs,

@@ -61,11 +61,13 @@ def engine_for(model, b: int, k: int) -> Engine:
 
 
 def decode_batch(eng: Engine):
-    """Every slot decoding greedily at CONTEXT, its pages laid out one after another."""
+    """Every slot decoding greedily at CONTEXT, its pages laid out one after another (written
+    into the engine's device block tables, as its table updates would)."""
     b, pages = eng.spec.max_slots, eng.spec.max_pages_per_seq
     batch = eng._idle_batch(eng.context_buckets[-1], with_prefill=False)
-    block_tables = 1 + np.arange(b * pages, dtype=np.int32).reshape(b, pages)
-    return dataclasses.replace(batch, block_tables=block_tables, lengths=np.full(b, CONTEXT, np.int32),
+    block_tables = 1 + np.arange(b * pages, dtype=np.int32).reshape(b, pages)  # i32[b, pages]
+    eng.kv = dataclasses.replace(eng.kv, block_tables=jax.device_put(block_tables, eng.kv.block_tables.sharding))
+    return dataclasses.replace(batch, lengths=np.full(b, CONTEXT, np.int32),
                                decode_tokens=np.arange(100, 100 + b, dtype=np.int32),
                                decode_active=np.ones(b, bool))
 
@@ -123,7 +125,7 @@ def part_programs(eng: Engine, batch, t: int, drafts: DraftBatch | None) -> dict
     else:
         logprobs = jax.jit(lambda logits: token_logprobs(logits, emitted))
     return {
-        "forward": Program(forward, (m.params, eng.kv, jnp.asarray(batch.block_tables), jnp.asarray(batch.lengths)), 1),
+        "forward": Program(forward, (m.params, eng.kv, eng.kv.block_tables[:, : batch.width], jnp.asarray(batch.lengths)), 1),
         "lm_head": Program(jax.jit(lm_head), (m.params, x), None),
         "sampling": Program(sample, (logits, greedy), None),
         "sampling_top_k": Program(sample, (logits, top_k), None),

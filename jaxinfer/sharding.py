@@ -283,6 +283,15 @@ def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
             lambda batch: place_slots(batch, mesh))
 
 
+def shard_table_updates(mesh: Mesh, apply: Callable) -> tuple[Callable, Callable]:
+    """The block-table update (`kv.table_updates.apply_table_updates`, passed in) on `mesh`:
+    (it jitted with the tables and the updates replicated, as the cache keeps its tables, so
+    the step that follows compiles nothing new; a function placing an update there)."""
+    rep = replicated(mesh)
+    fn = jax.jit(apply.__wrapped__, donate_argnums=0, in_shardings=(rep, rep), out_shardings=rep)
+    return fn, lambda updates: put(updates, jax.tree.map(lambda _: rep, updates))
+
+
 def shard_speculation(mesh: Mesh, params: Any, kv: Any, draft: Any, draft_kv: Any, draft_vocab: Any, step: Callable
                       ) -> tuple[Any, Any, Any, Callable]:
     """What speculative decoding needs on `mesh`, given the engine's params and cache `kv`

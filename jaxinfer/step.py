@@ -7,7 +7,10 @@ Two kinds of program exist, whatever the traffic: decode-only, and decode + pref
 `[max_prefill_rows, prefill_chunk]` group), each compiled once per *context bucket*: the
 block tables are cut to the smallest of a few widths (`EngineConfig.min_context_bucket`,
 x4 each) that holds every running sequence, so attention over short contexts does not gather `max_model_len` keys.
-Every other array in a `StepBatch` has a shape fixed at engine construction.
+Every other array in a `StepBatch` has a shape fixed at engine construction. The block tables
+themselves stay on the device (`PagedKVState.block_tables`), kept current by the engine with
+the entries that changed (`jaxinfer.kv.table_updates`); a step reads their first `width`
+columns.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class PrefillBatch:
 
 @struct.dataclass
 class StepBatch:
-    block_tables: jax.Array  # i32[max_slots, width]: host-owned page map, cut to a context bucket
+    width: int = struct.field(pytree_node=False)  # the context bucket: block-table columns the step reads
     lengths: jax.Array  # i32[max_slots]: tokens cached per slot before this step
     decode_tokens: jax.Array  # i32[max_slots]: the one pending token of each decoding slot
     decode_active: jax.Array  # bool[max_slots]
@@ -63,8 +66,9 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
                 ) -> tuple[PagedKVState, StepOutput]:
     """Run every scheduled token through the model and sample; donates `kv`.
 
-    Block tables and lengths come from the host in `batch`; the returned state keeps the
-    block tables and lengths it came in with, so its shapes never depend on the bucket.
+    Lengths come from the host in `batch`, the block tables are the state's own (their
+    first `batch.width` columns, `bucket_view`); the returned state keeps the full tables
+    and the lengths it came in with, so its shapes never depend on the bucket.
 
     The sampled token of a row is keyed by (seed, its future cache position), so a request
     draws the same tokens whether it decodes, prefills in chunks or is recomputed after
@@ -72,8 +76,8 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     token its logprob and top alternatives when a request asks for them. On a mesh
     (`jaxinfer.sharding.shard_engine`), `mesh` is the one params and cache are sharded on.
     """
-    host_owned = (kv.block_tables, kv.lengths)  # returned untouched: the host tracks both
-    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    kept = (kv.block_tables, kv.lengths)  # returned untouched: the engine updates both
+    kv = bucket_view(kv, batch)
     slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
     decode = TokenGroup(
         tokens=batch.decode_tokens[:, None], positions=batch.lengths[:, None], slots=slots,
@@ -81,8 +85,14 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     )
     logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl, mesh)
     out = sample_rows(logits, batch, kv.lengths)
-    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
+    kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
     return kv, out
+
+
+def bucket_view(kv: PagedKVState, batch: StepBatch) -> PagedKVState:
+    """`kv` as a step sees it: block tables cut to the batch's bucket (a static slice,
+    i32[max_slots, width]) and the batch's lengths (i32[max_slots])."""
+    return dataclasses.replace(kv, block_tables=kv.block_tables[:, : batch.width], lengths=batch.lengths)
 
 
 def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array) -> StepOutput:

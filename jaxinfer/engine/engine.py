@@ -8,9 +8,10 @@
 
 Each `step()` asks the `Scheduler` what to run, packs it into a fixed-shape `StepBatch`
 (numpy on the host), runs the jitted `engine_step`, and hands the sampled tokens back to
-the requests. Bad input raises at `add_request` and never disturbs running requests; a
-step that fails anyway finishes only the request(s) that caused it, with finish_reason
-"error" (see `step`).
+the requests. The block tables stay on the device; each step sends only the entries the
+scheduler changed (`jaxinfer.kv.table_updates`). Bad input raises at `add_request` and
+never disturbs running requests; a step that fails anyway finishes only the request(s) that
+caused it, with finish_reason "error" (see `step`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from jaxinfer.kv.kivi import KiviLayerKV
 from jaxinfer.kv.pages import NULL_PAGE
 from jaxinfer.kv.prefix_cache import cache_identity
 from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.kv.table_updates import TableMirror, TableUpdates, apply_table_updates, updates_size
 from jaxinfer.kv.window_ring import hit_recompute, ring_pages
 from jaxinfer.layer_stack import LayerStack, entry_pytrees
 from jaxinfer.loading import Model
@@ -131,9 +133,14 @@ class Engine:
         self._warned: set[str] = set()  # kernels a fallback warning named already
         self._compiled: set[ProgramKey] = set()  # programs `_compile` compiled (kernels or their fallback)
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
+        # the device's block tables, kept equal to the scheduler's page lists by the entries that change
+        self._tables = TableMirror(config.max_slots, pages_per_seq, updates_size(config.max_slots, config.page_size,
+                                                                                 max_chunk))
+        self._apply_tables, self._place_updates = apply_table_updates, (lambda updates: updates)
         if config.mesh is not None:
             self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
                                                                                  config.max_slots, engine_step)
+            self._apply_tables, self._place_updates = sharding.shard_table_updates(config.mesh, apply_table_updates)
         self._init_speculation(config.speculative)  # after sharding: a self-draft shares the sharded params
         if config.mesh is not None and config.speculative is not None:
             self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
@@ -463,16 +470,22 @@ class Engine:
         """Build the step's batch and dispatch its program (not waiting for it). Across
         processes, the followers run it too."""
         batch = self._batch(plan, draft_width(drafts))
+        updates = self._tables.updates(self.scheduler.take_changed_rows())
         self._steps += 1
         if self._channel is not None:
-            self._channel.publish(("run", self._steps, batch, drafts, feed))
-        return LaunchedStep(plan, drafts, self._steps, self._dispatch(self._steps, batch, drafts, feed),
+            self._channel.publish(("run", self._steps, batch, drafts, feed, updates))
+        return LaunchedStep(plan, drafts, self._steps, self._dispatch(self._steps, batch, drafts, feed, updates),
                             [r.slot for r in plan.decode])
 
-    def _dispatch(self, index: int, batch: StepBatch, drafts: DraftBatch | None, feed: np.ndarray | None) -> tuple:
+    def _dispatch(self, index: int, batch: StepBatch, drafts: DraftBatch | None, feed: np.ndarray | None,
+                  updates: list[TableUpdates]) -> tuple:
         """Dispatch step `index`'s program -> its outputs, still on the device: (tokens i32[B]
         or i32[B, k + 1], accepted i32[B] or None, prefill tokens i32[P] or None, what
-        `_logprobs` needs). `feed`: decode rows whose token the previous step made."""
+        `_logprobs` needs). `feed`: decode rows whose token the previous step made; `updates`:
+        the block-table entries that changed since the previous step, written in first."""
+        for update in updates:
+            tables = self._compiles.call(self._apply_tables, self.kv.block_tables, self._place_updates(update))
+            self.kv = dataclasses.replace(self.kv, block_tables=tables)
         key = program_key(batch, drafts)
         if self._compiler is not None and key not in self._ran:
             self._compiler.claim(key)  # compiled in the background already, or now, never twice
@@ -651,7 +664,7 @@ class Engine:
         `start_warmup` does the same in the background while the engine serves."""
         for key in self.program_keys():
             self._compile(key)
-        self._compile_feed()
+        self._compile_side_programs()
         return len(self.program_keys())
 
     def start_warmup(self) -> None:
@@ -660,11 +673,15 @@ class Engine:
         bucket that holds its sequences, and compiles (or waits for) one itself only when none
         does. `ready` says when the smallest bucket's programs are there."""
         if self._compiler is None:
-            self._compile_feed()
+            self._compile_side_programs()
             self._compiler = BackgroundCompiler(self._compile, self.program_keys())
 
-    def _compile_feed(self) -> None:
-        """Asynchronous scheduling: compile `feed_decode_tokens` (tiny) with the steps."""
+    def _compile_side_programs(self) -> None:
+        """Compile the tiny programs every step may call with the steps: the block-table
+        update, and with asynchronous scheduling `feed_decode_tokens`."""
+        tables = jax.ShapeDtypeStruct(self.kv.block_tables.shape, jnp.int32, sharding=self.kv.block_tables.sharding)
+        with self._compiles.attribute():
+            self._apply_tables.lower(tables, self._place_updates(self._tables.idle())).compile()
         if self.config.async_scheduling:
             b = np.zeros(self.config.max_slots, np.int32)
             with self._compiles.attribute():
@@ -745,7 +762,7 @@ class Engine:
     def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
         b = self.spec.max_slots
         return StepBatch(
-            block_tables=np.full((b, width), NULL_PAGE, np.int32), lengths=np.zeros(b, np.int32),
+            width=width, lengths=np.zeros(b, np.int32),
             decode_tokens=np.zeros(b, np.int32), decode_active=np.zeros(b, bool),
             sampling=SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b),
             prefill=self._idle_prefill() if with_prefill else None,
@@ -754,12 +771,10 @@ class Engine:
     def _batch(self, plan: SchedulePlan, draft_width: int = 0) -> StepBatch:
         b = self.spec.max_slots
         width = self._bucket(max(len(r.pages) for r in self.scheduler.running), bool(plan.prefill), draft_width)
-        block_tables = np.full((b, width), NULL_PAGE, np.int32)
         lengths = np.zeros(b, np.int32)
         params: list[SamplingParams] = [SamplingParams(temperature=0)] * b
         seeds = [0] * b
         for req in self.scheduler.running:
-            block_tables[req.slot, : len(req.pages)] = req.pages
             lengths[req.slot] = req.num_computed
             params[req.slot], seeds[req.slot] = req.params, req.seed
         decode_tokens = np.zeros(b, np.int32)
@@ -776,7 +791,7 @@ class Engine:
                 prefill.slots[row], prefill.num_new[row], prefill.shared[row] = req.slot, n, req.num_shared_tokens
         # numpy leaves: jit transfers them in one go, cheaper than a jnp.asarray each
         return StepBatch(
-            block_tables=block_tables, lengths=lengths, decode_tokens=decode_tokens, decode_active=active,
+            width=width, lengths=lengths, decode_tokens=decode_tokens, decode_active=active,
             sampling=SamplingArrays.from_params(params, seeds), prefill=prefill,
         )
 
@@ -885,7 +900,7 @@ def draft_width(drafts: DraftBatch | EagleBatch | None) -> int:
 
 def program_key(batch: StepBatch, drafts: DraftBatch | None) -> ProgramKey:
     """Which program runs `batch` with `drafts`."""
-    return (batch.block_tables.shape[1], batch.prefill is not None, draft_width(drafts))
+    return (batch.width, batch.prefill is not None, draft_width(drafts))
 
 
 def _logprob_at(lp: TokenLogprobs, row: int, j: int, n: int) -> tuple[float, list[tuple[int, float]]]:

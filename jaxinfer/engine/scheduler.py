@@ -89,6 +89,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.free_slots: list[int] = list(range(max_slots))[::-1]
         self.stats = SchedulerStats()
+        # slots whose page list changed since `take_changed_rows` (the engine's device tables follow)
+        self.changed_slots: set[int] = set()
 
     @property
     def allocator(self) -> PageAllocator:
@@ -135,6 +137,16 @@ class Scheduler:
             self._release(request)
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
+
+    def take_changed_rows(self) -> list[tuple[int, list[int]]]:
+        """(slot, its pages now; [] when free) for every slot whose pages changed since the
+        last call: what the device's block tables must take in (`jaxinfer.kv.table_updates`)."""
+        if not self.changed_slots:
+            return []
+        holder = {r.slot: r.pages for r in self.running}
+        rows = [(slot, holder.get(slot, [])) for slot in sorted(self.changed_slots)]
+        self.changed_slots.clear()
+        return rows
 
     @property
     def has_work(self) -> bool:
@@ -217,6 +229,7 @@ class Scheduler:
             self.waiting.popleft()
             self.free_slots.remove(slot)
             req.pages = cached
+            self.changed_slots.add(slot)
             req.num_registered_pages = len(cached)
             req.num_shared_tokens = len(cached) * self.page_size
             req.num_computed = start
@@ -276,6 +289,7 @@ class Scheduler:
         pages = self._allocator(req).lookup(usable)
         self.stats.prefix_hits += len(pages)
         req.pages += pages
+        self.changed_slots.add(req.slot)
         req.num_registered_pages = len(req.pages)
         req.num_shared_tokens = len(req.pages) * self.page_size
         start = max(req.num_computed, self._resume_at(req.num_shared_tokens))
@@ -311,6 +325,7 @@ class Scheduler:
                 break
             self._allocator(req).free([req.pages[i]])
             req.pages[i] = NULL_PAGE
+            self.changed_slots.add(req.slot)
 
     def _grow(self, req: Request, tokens: int) -> bool:
         """Give `req` pages for `tokens` tokens, preempting later requests if the pool is
@@ -320,6 +335,7 @@ class Scheduler:
         while need > 0:
             try:
                 req.pages += self.allocators[replica].allocate(need)
+                self.changed_slots.add(req.slot)
                 return True
             except OutOfPagesError:  # only a request of the same replica frees pages req can use
                 victim = next(r for r in reversed(self.running) if self.replica_of(r.slot) == replica)
@@ -340,6 +356,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self._allocator(req).free([p for p in req.pages if p != NULL_PAGE])
         req.pages = []
+        self.changed_slots.add(req.slot)
         req.num_registered_pages = 0
         self.free_slots.append(req.slot)
         req.slot = None

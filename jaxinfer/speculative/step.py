@@ -35,7 +35,7 @@ from jaxinfer.model import ModelParams, TokenGroup, forward_groups
 from jaxinfer.sampling import row_keys
 from jaxinfer.speculative.drafts.propose import propose_with_model
 from jaxinfer.speculative.verify import Proposal, verify_step
-from jaxinfer.step import StepBatch, prefill_groups, sample_prefill
+from jaxinfer.step import StepBatch, bucket_view, prefill_groups, sample_prefill
 
 
 @struct.dataclass
@@ -70,13 +70,14 @@ def speculative_step(
     mesh: jax.sharding.Mesh | None = None,  # the mesh both models and caches are sharded on
 ) -> tuple[PagedKVState, PagedKVState | None, SpeculativeOutput]:
     """Propose, run the target over every slot's block and the prefill rows, verify; donates
-    both caches. Block tables and lengths are host-owned, as in `engine_step`.
+    both caches. Block tables and lengths as in `engine_step` (a separate draft model reads
+    the target's tables: its pages sit at the same page ids of its own pool).
 
     The target's raw logits at every position j of a block come back with the tokens, so
     `step.step_logprobs` can give accepted drafts and the correction/bonus token each their
     own logprob under the target, as in `engine_step`."""
-    host_owned = (kv.block_tables, kv.lengths)
-    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    kept = (kv.block_tables, kv.lengths)
+    kv = bucket_view(kv, batch)
     num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[B]
     k = drafts.tokens.shape[1]
     # One key per row from (seed, position), split into two independent streams. (Deriving
@@ -95,7 +96,7 @@ def speculative_step(
         kv = dataclasses.replace(kv, layers=dkv.layers + slice_layers(kv.layers, shared_layers, config.n_layers))
     else:
         draft_owned = (draft_kv.block_tables, draft_kv.lengths)
-        dkv = dataclasses.replace(draft_kv, block_tables=batch.block_tables, lengths=batch.lengths)
+        dkv = dataclasses.replace(draft_kv, block_tables=kv.block_tables, lengths=batch.lengths)
         proposal, dkv = propose_with_model(draft_params, draft_config, draft_vocab, dkv, batch, num_draft, k,
                                            draft_keys, separate=True, attention_impl=attention_impl, mesh=mesh)
         draft_kv = dataclasses.replace(dkv, block_tables=draft_owned[0], lengths=draft_owned[1])
@@ -109,7 +110,7 @@ def speculative_step(
     logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
     num_accepted, tokens = verify_step(logits[0], proposal, num_draft, batch.sampling, verify_keys)
     prefill_next = sample_prefill(logits, batch, kv.lengths)
-    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
+    kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
     return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
                                            logits=logits[0], prefill_logits=logits[1] if len(logits) > 1 else None)
 

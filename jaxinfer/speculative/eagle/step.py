@@ -38,7 +38,7 @@ from jaxinfer.speculative.drafts.propose import sample_draft
 from jaxinfer.speculative.eagle.head import EagleParams, head_inputs
 from jaxinfer.speculative.step import SpeculativeOutput
 from jaxinfer.speculative.verify import Proposal, verify_step
-from jaxinfer.step import StepBatch, prefill_groups, sample_prefill
+from jaxinfer.step import StepBatch, bucket_view, prefill_groups, sample_prefill
 
 
 @struct.dataclass
@@ -77,15 +77,16 @@ def _head_forward(head: EagleParams, embed: jax.Array, lm_head: jax.Array, confi
 
 
 def propose_eagle(head: EagleParams, embed: jax.Array, lm_head: jax.Array, vocab: jax.Array, config: ModelConfig,
-                  state: EagleState, batch: StepBatch, drafts: EagleBatch, num_draft: jax.Array, keys: jax.Array,
-                  attention_impl: str) -> tuple[Proposal, PagedKVState]:
+                  state: EagleState, tables: jax.Array, batch: StepBatch, drafts: EagleBatch, num_draft: jax.Array,
+                  keys: jax.Array, attention_impl: str) -> tuple[Proposal, PagedKVState]:
     """k drafts per slot: the carried pairs in one block, then k - 1 pairs of the head's
-    own predictions -> (Proposal(i32[B, k], q f32[B, k, Vd] over `vocab`), the head's cache)."""
+    own predictions -> (Proposal(i32[B, k], q f32[B, k, Vd] over `vocab`), the head's cache).
+    `tables` i32[B, width]: the target's block tables (the head's pages share their ids)."""
     b, k = num_draft.shape[0], drafts.width
     slots = jnp.arange(b, dtype=jnp.int32)
     carried = jnp.where(batch.decode_active, drafts.carried, 0)  # i32[B]
     start = batch.lengths - carried  # head position of the first carried pair
-    hkv = dataclasses.replace(state.kv, block_tables=batch.block_tables, lengths=start)
+    hkv = dataclasses.replace(state.kv, block_tables=tables, lengths=start)
     group = TokenGroup(tokens=drafts.head_tokens, positions=start[:, None] + jnp.arange(k + 1, dtype=jnp.int32),
                        slots=slots, num_new=carried, logits_index=jnp.maximum(carried - 1, 0), by_replica=True)
     logits, hidden, hkv = _head_forward(head, embed, lm_head, config, hkv, group, state.features, attention_impl)
@@ -157,16 +158,16 @@ def eagle_step(
 ) -> tuple[PagedKVState, EagleState, SpeculativeOutput]:
     """Draft with the head, verify with the target, run the head over the prefill rows and
     carry the features; donates both caches. Outputs as `speculative_step`'s."""
-    host_owned = (kv.block_tables, kv.lengths)
-    kv = dataclasses.replace(kv, block_tables=batch.block_tables, lengths=batch.lengths)
+    kept = (kv.block_tables, kv.lengths)
+    kv = bucket_view(kv, batch)
     decoding = batch.decode_active & (drafts.carried > 0)
     num_draft = jnp.where(decoding, drafts.num_draft, 0)  # i32[B]
     k = drafts.width
     verify_keys, draft_keys = jnp.moveaxis(  # two independent streams per row (as in `speculative_step`)
         jax.vmap(jax.random.split)(row_keys(batch.sampling.seed, batch.lengths + 1)), 1, 0)
 
-    proposal, hkv = propose_eagle(head, params.embed, head_lm, vocab, head_config, state, batch, drafts, num_draft,
-                                  draft_keys, attention_impl)
+    proposal, hkv = propose_eagle(head, params.embed, head_lm, vocab, head_config, state, kv.block_tables, batch, drafts,
+                                  num_draft, draft_keys, attention_impl)
     slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
     block = TokenGroup(
         tokens=jnp.concatenate([batch.decode_tokens[:, None], proposal.tokens], axis=1),  # i32[B, k + 1]
@@ -183,6 +184,6 @@ def eagle_step(
                              state.features, attention_impl)
     state = EagleState(kv=dataclasses.replace(hkv, block_tables=state.kv.block_tables, lengths=state.kv.lengths),
                        features=_carry(state.features, batch, hidden[0], prefill_hidden))
-    kv = dataclasses.replace(kv, block_tables=host_owned[0], lengths=host_owned[1])
+    kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
     return kv, state, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
                                         logits=logits[0], prefill_logits=logits[1] if batch.prefill is not None else None)
