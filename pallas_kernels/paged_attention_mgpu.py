@@ -180,12 +180,22 @@ def _swizzled(shape, dtype) -> plgpu.SMEM:
 
 
 def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, q_ref, k_ref, v_ref, *refs, cfg: MgpuTiles):
+    """One program: grid point (b, block, split). GMEM refs::
+
+        lengths i32[B]; q_lo, q_hi i32[B, blocks]; block tables i32[B, max_pages]
+        row_pos i32[B, blocks, rows] (-1: padding); q [B, blocks, rows, Dh] (compute dtype)
+        k, v    [P, chunks, S * Hkv / chunks, Dh] (per-head: [P, chunks, S / chunks, Hkv, Dh])
+        k_scale, v_scale [P, chunks, S * Hkv / chunks] (int8 / fp8)
+        -> acc f32[splits, B, blocks, rows, Dh], m, l f32[splits, B, blocks, rows]
+    """
     if cfg.quantized:
         k_scale_ref, v_scale_ref, acc_out, m_out, l_out, *scratch = refs
     else:
         k_scale_ref = v_scale_ref = None
         acc_out, m_out, l_out, *scratch = refs
-    q_smem, row_pos_smem, k_stage, v_stage, ks_stage, vs_stage, p_smem, q_bar, kv_bars, *converted = scratch  # quantized: k, v tiles
+    # SMEM: q [rows, Dh], row positions [rows], K/V stages [2, N, Dh] and their scales [2, N],
+    # p [rows, N], barriers; quantized formats add the converted K/V tiles [N, Dh]
+    q_smem, row_pos_smem, k_stage, v_stage, ks_stage, vs_stage, p_smem, q_bar, kv_bars, *converted = scratch
     cast = (lambda x, layout: x) if cfg.interpret else plgpu.layout_cast  # interpret mode has no layouts
     b, block, split = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("s")
     length, q_lo, q_hi = lengths_ref[b], q_lo_ref[b, block], q_hi_ref[b, block]
