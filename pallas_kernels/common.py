@@ -204,14 +204,22 @@ def prefill_rows(q, query_pos, hkv: int, g_pad: int, t_pad: int, block_q: int):
     group = hq // hkv
     qg = q.reshape(b, t, hkv, group, dh).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, Dh]
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, t_pad - t), (0, g_pad - group), (0, 0)))
-    pos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
-    real = jnp.arange(t_pad) < t
-    blocks = (b, t_pad // block_q, block_q)
-    q_lo = jnp.min(jnp.where(real, pos, jnp.iinfo(jnp.int32).max).reshape(blocks), axis=2)
-    q_hi = jnp.max(jnp.where(real, pos, -1).reshape(blocks), axis=2)
-    q_lo = jnp.where(q_hi < 0, 0, q_lo)
-    row_pos = jnp.repeat(pos, g_pad, axis=1)
+    pos, q_lo, q_hi = query_blocks(query_pos, t_pad, block_q)
+    row_pos = jnp.repeat(pos.reshape(b, t_pad), g_pad, axis=1)
     return qg.reshape(b, hkv, t_pad * g_pad, dh), row_pos, q_lo, q_hi
+
+
+def query_blocks(query_pos, t_pad: int, block_q: int):
+    """query_pos i32[B, T] -> positions padded with -1 (sees nothing) i32[B, T_pad / block_q,
+    block_q] and each block's [q_lo, q_hi] i32[B, T_pad / block_q] over its real queries (an
+    empty block: [0, -1])."""
+    b, t = query_pos.shape
+    pos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
+    pos = pos.reshape(b, t_pad // block_q, block_q)
+    real = (jnp.arange(t_pad) < t).reshape(t_pad // block_q, block_q)
+    q_hi = jnp.max(jnp.where(real, pos, -1), axis=2)
+    q_lo = jnp.where(q_hi < 0, 0, jnp.min(jnp.where(real, pos, jnp.iinfo(jnp.int32).max), axis=2))
+    return pos, q_lo, q_hi
 
 
 def check_prefill_shapes(q, pages, block_tables, lengths, query_pos) -> None:

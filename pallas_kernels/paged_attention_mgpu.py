@@ -49,7 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import mgpu_interpret
 from pallas_kernels.common import (MASK_VALUE, AttentionOptions, cap_scores, cdiv, check_decode_shapes,
                                    check_prefill_shapes, check_sink_logits, decode_steps, finalize, merge_partials,
-                                   page_schedule, visible)
+                                   page_schedule, query_blocks, visible)
 from pallas_kernels.formats import KernelPages
 
 MGPU_FORMATS = ("dense", "int8", "fp8_e4m3", "fp8_e5m2")  # KIVI packs channels: Triton kernel
@@ -467,10 +467,7 @@ def chunked_prefill_mgpu(
     block_q = rows // heads
     blocks = cdiv(t, block_q)
     pad_t = blocks * block_q - t
-    pos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1).reshape(b, blocks, block_q)
-    real = jnp.arange(blocks * block_q).reshape(blocks, block_q) < t
-    q_hi = jnp.max(jnp.where(real, pos, -1), axis=2)
-    q_lo = jnp.where(q_hi < 0, 0, jnp.min(jnp.where(real, pos, jnp.iinfo(jnp.int32).max), axis=2))
+    pos, q_lo, q_hi = query_blocks(query_pos, blocks * block_q, block_q)  # i32[B, blocks, block_q], [B, blocks]
     row_pad = ((0, 0), (0, 0), (0, rows - block_q * heads))
     row_pos = jnp.pad(jnp.repeat(pos, heads, axis=2), row_pad, constant_values=-1)  # [B, blocks, rows]
     q = jnp.pad(q, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
