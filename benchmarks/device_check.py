@@ -28,11 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import jax
+# The checks run in worker processes (run_in_workers): none may take the GPU's memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,8 +61,9 @@ def plan(smoke: bool, mosaic: bool = False) -> list[tuple[str, str, tuple[int, i
         return [("decode", "int4", (8, 1), True, "triton"), ("prefill", "fp8_e4m3", (8, 1), True, "triton"),
                 ("mla_decode", "dense", (16, 1), False, "triton"), ("decode", "int8", (32, 8), True, "mosaic")]
     paged = [(k, f, h, o) for k in ("decode", "prefill") for f in FORMATS for h in HEADS for o in (False, True)]
-    rows = [(*row, "triton") for row in paged] + [("mla_decode", "dense", (h, 1), False, "triton") for h in MLA_HEADS]
-    return rows + [(*row, "mosaic") for row in paged if mosaic and mosaic_takes(*row)]
+    mosaic_rows = [(*row, "mosaic") for row in paged if mosaic and mosaic_takes(*row)]  # first: Hopper's default
+    return mosaic_rows + [(*row, "triton") for row in paged] + [("mla_decode", "dense", (h, 1), False, "triton")
+                                                                for h in MLA_HEADS]
 
 
 def mosaic_takes(kernel: str, fmt: str, heads, with_options: bool) -> bool:
@@ -122,11 +128,45 @@ def compare(out: np.ndarray, ref: np.ndarray) -> dict:
     return dict(max_abs_err=err, ok=ok)
 
 
+def check_row(kernel: str, fmt: str, heads, with_options: bool, family: str, target: str, device: str,
+              interpret: bool) -> str:
+    """One check as a markdown row; a kernel that does not compile or run is a failed row."""
+    try:
+        result = check(kernel, fmt, heads, with_options, family, target, interpret=interpret)
+    except Exception as err:  # noqa: BLE001
+        result = dict(max_abs_err=float("nan"), ok=False, error=f"{type(err).__name__}: {str(err)[:200]}")
+    return (f"| {device} | {kernel} | {family if target == 'gpu' else 'tpu'} | {fmt} | {heads[0]}/{heads[1]} | "
+            f"{'on' if with_options else 'off'} | {result['max_abs_err']:.3g} | "
+            f"{'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} |")
+
+
+def run_in_workers(rows: list, interpret: bool, device: str):
+    """The rows' markdown lines, run by a worker process that starts over after the row it
+    died in (a compiler that crashes the process fails its row, not the rest)."""
+    done = 0
+    while done < len(rows):
+        cmd = [sys.executable, __file__, "--child-from", str(done), "--skip-bench"] + ["--interpret-smoke"] * interpret
+        worker = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        for line in worker.stdout:
+            if line.startswith("| "):
+                done += 1
+                print(line, end="", flush=True)
+                yield line.rstrip("\n")
+        if worker.wait() != 0 and done < len(rows):
+            kernel, fmt, heads, with_options, family = rows[done]
+            line = (f"| {device} | {kernel} | {family} | {fmt} | {heads[0]}/{heads[1]} | "
+                    f"{'on' if with_options else 'off'} | nan | FAILED the process died (exit {worker.returncode}) |")
+            print(line, flush=True)
+            yield line
+            done += 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-bench", action="store_true", help="correctness checks only")
     p.add_argument("--interpret-smoke", action="store_true",
                    help="a few checks in interpret mode on any machine (tests this script, not a device)")
+    p.add_argument("--child-from", type=int, help=argparse.SUPPRESS)  # a worker process (run_in_workers)
     args = p.parse_args(argv)
     from jaxinfer.attention.dispatch import hopper
 
@@ -144,21 +184,17 @@ def main(argv=None) -> int:
         print(json.dumps(dict(device=None, checks=0, failures=0, seconds=0.0)))
         return 0
     target = "tpu" if backend == "tpu" else "gpu"
-    device = jax.devices()[0].device_kind
+    device = "cpu" if args.interpret_smoke else jax.devices()[0].device_kind
+    if args.child_from is not None:  # a worker: rows from this index on, one table row each
+        for kernel, fmt, heads, with_options, family in rows[args.child_from:]:
+            print(check_row(kernel, fmt, heads, with_options, family, target, device, args.interpret_smoke), flush=True)
+        return 0
     print(f"device: {device}, jax {jax.__version__}, kernels: {target}")
-    start, failures = time.perf_counter(), 0
+    start = time.perf_counter()
     print("| device | kernel | kernels | format | heads | options | max abs err | ok |\n"
           "|---|---|---|---|---|---|---|---|")
-    for kernel, fmt, heads, with_options, family in rows:
-        try:
-            result = check(kernel, fmt, heads, with_options, family, target, interpret=args.interpret_smoke)
-        except Exception as err:  # noqa: BLE001 - a kernel that does not compile is a failed row
-            result = dict(max_abs_err=float("nan"), ok=False, error=f"{type(err).__name__}: {str(err)[:200]}")
-        failures += not result["ok"]
-        kernels = "tpu" if target == "tpu" else family
-        print(f"| {device} | {kernel} | {kernels} | {fmt} | {heads[0]}/{heads[1]} | {'on' if with_options else 'off'} | "
-              f"{result['max_abs_err']:.3g} | {'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} |",
-              flush=True)
+    table = list(run_in_workers(rows, args.interpret_smoke, device))
+    failures = sum("| ok |" not in line for line in table)
     if not args.skip_bench and not args.interpret_smoke:
         import kernels_gpu
 

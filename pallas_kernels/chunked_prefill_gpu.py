@@ -98,7 +98,7 @@ def chunked_prefill_gpu(
     bq = block_q or max(MIN_ROWS // g_pad, min(max(1, 64 // g_pad), next_power_of_2(t)))
     t_pad = cdiv(t, bq) * bq
     rows = bq * g_pad
-    ppb = pages_per_block or gpu_tiles.default_pages_per_block(page_size, max_pages)
+    ppb = pages_per_block or gpu_tiles.default_pages_per_block(page_size, max_pages, gpu_tiles.key_bytes(pages, 1, dh))
     if not interpret:
         check_triton_shapes(page_size, dh // pages.parts, ppb)
         if rows < MIN_ROWS or rows & (rows - 1):

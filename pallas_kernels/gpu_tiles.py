@@ -82,9 +82,27 @@ def part_specs(pages: KernelPages, head_of, heads: int = 1) -> list[pl.BlockSpec
     return specs
 
 
-def default_pages_per_block(page_size: int, max_pages: int) -> int:
-    """Pages gathered per step: about 128 keys, at least 16 (tl.dot's minimum), a power of two."""
-    return max(-(-16 // page_size), min(max(1, 128 // page_size), 1 << max(max_pages - 1, 0).bit_length()))
+# Bytes of K + V one step's tile may hold (all the program's heads). Triton's shared memory
+# grows with it: on an H200 (jax 0.11.2) a tile of 128 keys x 4 heads x 128 bf16 (256 KiB)
+# asked for 404 KiB, of 227 KiB there are; a 64 KiB tile stays near 100 KiB.
+KEY_TILE_BYTES = 64 * 1024
+
+
+def default_pages_per_block(page_size: int, max_pages: int, key_bytes: int = 0) -> int:
+    """Pages gathered per step: about 128 keys, fewer where a key's K + V bytes (`key_bytes`,
+    all the program's heads) would pass KEY_TILE_BYTES; at least 16 keys (tl.dot's minimum);
+    a power of two."""
+    keys = 128 if key_bytes <= 0 else max(16, min(128, 1 << (KEY_TILE_BYTES // key_bytes).bit_length() - 1))
+    return max(-(-16 // page_size), min(max(1, keys // page_size), 1 << max(max_pages - 1, 0).bit_length()))
+
+
+def key_bytes(pages: KernelPages, heads: int, head_dim: int) -> int:
+    """Bytes one key's K and V take in a step's tile for `heads` KV heads: as stored (values and
+    scales), or dequantized to 16 bits where that is more (quantized tiles are converted in
+    the kernel). KIVI tails, read once per sequence, are not counted."""
+    stored = sum(a.size * a.dtype.itemsize for a in (*pages.k_parts(), *pages.v_parts()))
+    stored //= pages.num_pages * pages.page_size * pages.num_kv_heads
+    return heads * max(stored, 2 * head_dim * 2)
 
 
 def whole(array: jax.Array) -> pl.BlockSpec:

@@ -4,9 +4,10 @@ prefill over dense bf16/f16, int8 and fp8 pages, one kernel.
 Mosaic GPU is JAX's GPU lowering from 0.10 on (Pallas Triton is deprecated from 0.11): a
 program is one warpgroup, pages move GMEM -> SMEM by TMA, and both matmuls run on the tensor
 cores (`wgmma`, 64-row tiles). `paged_decode_mgpu` and `chunked_prefill_mgpu` have the
-contracts of the Triton kernels `paged_decode_gpu` / `chunked_prefill_gpu`, which stay for f32
-pages, KIVI int4/int2 and pre-Hopper GPUs (`jaxinfer.attention.dispatch.gpu_kernel_family`
-says which runs where). Reference: `jaxinfer.attention.reference.paged_attention_reference`;
+contracts of the Triton kernels `paged_decode_gpu` / `chunked_prefill_gpu`. On an H200 both
+passed every check; Triton's decode ran 1.8x faster than `paged_decode_mgpu` (BENCHMARKS.md),
+so the dispatch runs this kernel for chunked prefill on Hopper and Triton's for decode
+(`jaxinfer.attention.dispatch.gpu_kernel_family`). Reference: `jaxinfer.attention.reference.paged_attention_reference`;
 tests/test_pallas_mgpu.py runs these kernels in jax's GPU interpret mode on CPU.
 
 Layout. A page holds S tokens of every KV head, [S, Hkv, Dh], contiguous: viewed as

@@ -111,7 +111,7 @@ def paged_decode_gpu(
     heads, rows = packed_heads(group, hkv)
     g_rows, blocks = rows // heads, hkv // heads  # rows per KV head, head blocks
     steps = decode_steps(max_pages, page_size, opts)  # a window caps the walk: split that, not max_pages
-    ppb = pages_per_block or gpu_tiles.default_pages_per_block(page_size, steps)
+    ppb = pages_per_block or gpu_tiles.default_pages_per_block(page_size, steps, gpu_tiles.key_bytes(pages, heads, dh))
     splits = k_splits or default_k_splits(b * blocks, cdiv(steps, ppb))
     if not interpret:
         check_triton_shapes(page_size, dh // pages.parts, ppb)

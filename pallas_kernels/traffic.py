@@ -136,7 +136,7 @@ def mla_decode(target: str, shape: MlaShape, lengths) -> Traffic:
 
 def gpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = AttentionOptions()) -> Traffic:
     """Traffic of `paged_decode_gpu` (its default pages_per_block and k_splits) as a model of its loads."""
-    from pallas_kernels.gpu_tiles import default_pages_per_block
+    from pallas_kernels.gpu_tiles import default_pages_per_block, key_bytes
     from pallas_kernels.paged_decode_gpu import default_k_splits, packed_heads
 
     pages = abstract_pages(fmt, shape)
@@ -144,7 +144,7 @@ def gpu_decode(fmt: str, shape: Shape, lengths, opts: AttentionOptions = Attenti
     heads, rows = packed_heads(shape.q_heads // h, h)
     blocks = h // heads  # programs per sequence and split, each [rows, D]
     steps = decode_steps(shape.max_pages, s, opts)
-    ppb = default_pages_per_block(s, steps)
+    ppb = default_pages_per_block(s, steps, key_bytes(pages, heads, d))
     splits = default_k_splits(shape.batch * blocks, cdiv(steps, ppb))
     token_head = sum(_nbytes(a.shape[3:], a.dtype) for a in (pages.k, pages.v))  # one token, one head
     token_head += sum(_nbytes((), a.dtype) for a in (pages.v_scale, pages.v_zero) if a is not None)

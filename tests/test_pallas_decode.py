@@ -97,3 +97,18 @@ def test_tpu_decode_blocks_of_pages(ppb):
     case = make_case("int8", "float32", [13, 16, 14, 6, 0], poison_pages=[(0, 1), (1, 1), (2, 1)])
     out = _run(paged_decode_tpu, case, AttentionOptions(**OPTIONS), SINKS, pages_per_block=ppb)
     assert_close(out, reference(case, sink_logits=SINKS, **OPTIONS), "float32")
+
+
+@pytest.mark.parametrize("fmt,heads,keys", [("dense", 4, 32), ("int8", 4, 32), ("int4", 4, 32), ("dense", 1, 128),
+                                             ("fp8_e4m3", 1, 128)])
+def test_gpu_key_tiles_fit_shared_memory(fmt, heads, keys):
+    """Triton decode tiles hold <= KEY_TILE_BYTES of keys (16-bit after dequantization) across
+    the program's KV heads: 128 keys x 4 heads x head_dim 128 asked an H200 for 404 KiB of
+    shared memory (227 KiB there), so 32/8 heads get 32 keys and MQA keeps 128."""
+    from pallas_kernels.gpu_tiles import KEY_TILE_BYTES, default_pages_per_block, key_bytes
+
+    pages = from_layer_kv(make_case(fmt, "bfloat16", [5], heads=(8 * heads, heads), head_dim=128, page=PAGE).layer)
+    per_key = key_bytes(pages, heads, 128)
+    assert per_key >= heads * 2 * 128 * 2
+    assert default_pages_per_block(PAGE, 64, per_key) * PAGE == keys
+    assert keys * per_key <= KEY_TILE_BYTES

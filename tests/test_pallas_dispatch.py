@@ -72,17 +72,41 @@ def test_tiny_model_greedy_tokens_equal_with_pallas(kv_cache):
     np.testing.assert_allclose(logits, ref_logits, atol=1e-4, rtol=1e-5)
 
 
-def test_gpu_benchmark_without_a_gpu_says_so_and_prints_nulls():
-    script = Path(__file__).parent.parent / "benchmarks" / "kernels_gpu.py"
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+@pytest.mark.parametrize("script,first_line,keys", [
+    ("kernels_gpu.py", "no GPU", ["copy_gbps", "bf16_frac_of_copy", "int8_frac_of_copy", "int8_speedup_over_bf16",
+                                  "int4_speedup_over_bf16", "pallas_over_xla_bf16", "mosaic_over_triton_bf16"]),
+    ("engine_gpu.py", "no GPU or TPU", ["device", "reference_tok_s", "auto_tok_s", "auto_int8_tok_s",
+                                        "auto_over_reference", "int8_over_bf16", "steady_state_compiles",
+                                        "first_token_match_frac", "greedy_match_frac", "fallbacks"]),
+])
+def test_gpu_benchmarks_without_a_gpu_say_so_and_print_nulls(script, first_line, keys):
+    path = Path(__file__).parent.parent / "benchmarks" / script
+    run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
-    assert "no GPU" in lines[0]
+    assert first_line in lines[0]
     summary = json.loads(lines[-1])
-    assert list(summary) == ["copy_gbps", "bf16_frac_of_copy", "int8_frac_of_copy", "int8_speedup_over_bf16",
-                             "int4_speedup_over_bf16", "pallas_over_xla_bf16", "mosaic_over_triton_bf16"]
+    assert list(summary) == keys
     assert all(v is None for v in summary.values())
+
+
+def test_engine_gpu_benchmark_measures_each_config_on_a_tiny_model():
+    """The benchmark's measuring function on a tiny model here: every config decodes, the
+    steady state compiles nothing, no kernel falls back (CPU: "auto" is the reference)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import engine_gpu
+    from jaxinfer.loading import Model
+
+    config, params = tiny_model()
+    ids = random_tokens((3, 12), config.vocab_size).tolist()
+    tokens = {}
+    for name, engine_args in engine_gpu.CONFIGS.items():
+        result = engine_gpu.run_config(Model(config, params, None), ids, 6, **engine_args)
+        assert result["tok_s"] > 0 and result["steady_state_compiles"] == 0 and result["fallbacks"] == []
+        tokens[name] = result["tokens"]
+        assert [len(t) for t in tokens[name]] == [6, 6, 6]
+    assert tokens["auto"] == tokens["reference"]
 
 
 def test_engine_gives_the_same_greedy_tokens_with_the_kernels():
@@ -286,9 +310,10 @@ def test_only_programs_of_the_failing_kernel_fall_back(fake_gpu, monkeypatch, ca
     assert len(warnings) == 1 and "attention kernel chunked_prefill_gpu failed to compile" in warnings[0], warnings
 
 
-def test_gpu_kernel_family_mosaic_on_hopper_triton_elsewhere(monkeypatch):
-    """On a Hopper GPU the Mosaic GPU kernels take bf16/f16, int8 and fp8 pages whose tiles fit;
-    f32 and KIVI pages, any pre-Hopper GPU and interpret mode get the Triton kernels."""
+def test_gpu_kernel_family_mosaic_prefill_on_hopper_triton_elsewhere(monkeypatch):
+    """On a Hopper GPU the Mosaic GPU prefill kernel takes bf16/f16, int8 and fp8 pages whose tiles
+    fit; decode (Triton measured 1.8x faster on an H200), f32 and KIVI pages, any pre-Hopper GPU
+    and interpret mode get the Triton kernels."""
     from pallas_cases import make_case
     from pallas_kernels.formats import from_layer_kv
 
@@ -297,14 +322,29 @@ def test_gpu_kernel_family_mosaic_on_hopper_triton_elsewhere(monkeypatch):
 
     monkeypatch.setattr(dispatch, "hopper", lambda: True)
     for fmt in ("dense", "int8", "fp8_e4m3"):
-        assert dispatch.gpu_kernel_family(pages(fmt), 8, decode=True, interpret=False) == "mosaic"
+        assert dispatch.gpu_kernel_family(pages(fmt), 8, decode=True, interpret=False) == "triton"
         assert dispatch.gpu_kernel_family(pages(fmt), 8, decode=False, interpret=False) == "mosaic"
-    assert dispatch.gpu_kernel_family(pages("dense", "float32"), 8, decode=True, interpret=False) == "triton"
-    assert dispatch.gpu_kernel_family(pages("int4", "float32"), 8, decode=True, interpret=False) == "triton"
-    assert dispatch.gpu_kernel_family(pages("dense"), 8, decode=True, interpret=True) == "triton"
+    assert dispatch.gpu_kernel_family(pages("dense", "float32"), 8, decode=False, interpret=False) == "triton"
+    assert dispatch.gpu_kernel_family(pages("int4", "float32"), 8, decode=False, interpret=False) == "triton"
+    assert dispatch.gpu_kernel_family(pages("dense"), 8, decode=False, interpret=True) == "triton"
     monkeypatch.setattr(dispatch, "hopper", lambda: False)
-    assert dispatch.gpu_kernel_family(pages("dense"), 8, decode=True, interpret=False) == "triton"
+    assert dispatch.gpu_kernel_family(pages("dense"), 8, decode=False, interpret=False) == "triton"
     assert not dispatch.hopper()  # this machine has no GPU
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2"])
+def test_compiled_gpu_decode_over_kivi_pages_runs_the_reference(fmt):
+    """Compiled Triton decode over KIVI pages crashed the process on an H200 (jax 0.11.2): on a
+    GPU decode over them is unsupported ("auto" runs the reference, a kernel impl raises);
+    prefill, and interpret mode, still take the kernels."""
+    from pallas_cases import make_case
+
+    layer = make_case(fmt, "bfloat16", [5], heads=(8, 2), head_dim=64, page=16).layer
+    decode_q, prefill_q = jnp.zeros((1, 1, 8, 64), jnp.bfloat16), jnp.zeros((1, 4, 8, 64), jnp.bfloat16)
+    assert "crashed the process" in dispatch.unsupported_reason(decode_q, layer, "gpu", interpret=False)
+    assert dispatch.unsupported_reason(prefill_q, layer, "gpu", interpret=False) is None
+    assert dispatch.unsupported_reason(decode_q, layer, "gpu", interpret=True) is None
+    assert dispatch.unsupported_reason(decode_q, layer, "tpu", interpret=False) is None
 
 
 @pytest.mark.parametrize("kv_cache", ["auto", "int8"])

@@ -21,12 +21,15 @@
                            A program whose kernel fails to compile on the device falls back to
                            the reference (`jaxinfer.engine.Engine`, one warning per kernel)
 
-Which GPU kernel runs (`gpu_kernel_family`): on Hopper (compute capability 9.x: H100, H200)
-the Pallas Mosaic GPU kernels (`pallas_kernels.paged_attention_mgpu`: decode and chunked
-prefill over dense bf16/f16, int8 and fp8 pages, where their tiles fit); everywhere else, and
-for f32 or KIVI int4/int2 pages, the Pallas Triton kernels (`paged_decode_gpu`,
-`chunked_prefill_gpu`; Triton is deprecated from JAX 0.11 but is the only Pallas lowering
-before Hopper). MLA decode has a Triton kernel only.
+Which GPU kernel runs (`gpu_kernel_family`), as measured on an H200 (jax 0.11.2, BENCHMARKS.md):
+decode runs the Pallas Triton kernel (`paged_decode_gpu`: 0.78 of copy bandwidth in bf16,
+1.8x the Mosaic GPU decode kernel); chunked prefill on Hopper (compute capability 9.x) runs
+the Pallas Mosaic GPU kernel (`pallas_kernels.paged_attention_mgpu`, wgmma) over dense
+bf16/f16, int8 and fp8 pages where its tiles fit, and the Triton kernel elsewhere (f32 and
+KIVI pages, pre-Hopper GPUs). Triton is deprecated from JAX 0.11 but is the only Pallas
+lowering before Hopper. MLA decode has a Triton kernel only. Compiled Triton decode over KIVI
+int4/int2 pages crashed the process on that H200, so GPU decode over KIVI pages runs the
+reference (`unsupported_reason`).
 
 A kernel impl asked for a variant or cache it has no kernel for raises ValueError saying
 why; "auto" falls back to the reference. The kernels (`pallas_kernels`) know the cache
@@ -171,9 +174,9 @@ def kernel_names(target: str | None = None) -> tuple[str, ...]:
 
 
 def gpu_kernel_family(pages, q_heads: int, decode: bool, interpret: bool) -> str:
-    """"mosaic" (Pallas Mosaic GPU: on a Hopper GPU, for the pages and heads its tiles take) or
-    "triton" (everything else, and interpret mode on CPU)."""
-    if interpret or not hopper():
+    """"mosaic" (Pallas Mosaic GPU: chunked prefill on a Hopper GPU, for the pages and heads its
+    tiles take) or "triton" (decode, everything else, and interpret mode on CPU)."""
+    if decode or interpret or not hopper():
         return "triton"
     from pallas_kernels.paged_attention_mgpu import mgpu_supports
 
@@ -220,7 +223,11 @@ def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpre
         pages.validate()
     except ValueError as err:
         return str(err)
-    if target == "gpu" and not interpret and gpu_kernel_family(pages, q.shape[2], q.shape[1] == 1, False) == "triton":
+    decode = q.shape[1] == 1
+    if target == "gpu" and not interpret and decode and pages.is_kivi:
+        return (f"the compiled Triton decode kernel over {pages.format} (KIVI) pages crashed the process "
+                "(segmentation fault) on an H200 with jax 0.11.2; GPU decode over KIVI pages runs the reference")
+    if target == "gpu" and not interpret and gpu_kernel_family(pages, q.shape[2], decode, False) == "triton":
         from pallas_kernels.gpu_tiles import default_pages_per_block
         from pallas_kernels.paged_decode_gpu import check_triton_shapes
 
