@@ -61,7 +61,7 @@ def plan(smoke: bool, mosaic: bool = False) -> list[tuple[str, str, tuple[int, i
         return [("decode", "int4", (8, 1), True, "triton"), ("prefill", "fp8_e4m3", (8, 1), True, "triton"),
                 ("mla_decode", "dense", (16, 1), False, "triton"), ("decode", "int8", (32, 8), True, "mosaic")]
     paged = [(k, f, h, o) for k in ("decode", "prefill") for f in FORMATS for h in HEADS for o in (False, True)]
-    mosaic_rows = [(*row, "mosaic") for row in paged if mosaic and mosaic_takes(*row)]  # first: Hopper's default
+    mosaic_rows = [(*row, "mosaic") for row in paged if mosaic and mosaic_takes(*row)]  # first: the family JAX keeps
     return mosaic_rows + [(*row, "triton") for row in paged] + [("mla_decode", "dense", (h, 1), False, "triton")
                                                                 for h in MLA_HEADS]
 
@@ -135,12 +135,17 @@ def check_row(kernel: str, fmt: str, heads, with_options: bool, family: str, tar
         result = check(kernel, fmt, heads, with_options, family, target, interpret=interpret)
     except Exception as err:  # noqa: BLE001
         result = dict(max_abs_err=float("nan"), ok=False, error=f"{type(err).__name__}: {str(err)[:200]}")
-    return (f"| {device} | {kernel} | {family if target == 'gpu' else 'tpu'} | {fmt} | {heads[0]}/{heads[1]} | "
-            f"{'on' if with_options else 'off'} | {result['max_abs_err']:.3g} | "
+    return (f"{row_label(device, kernel, fmt, heads, with_options, family, target)} {result['max_abs_err']:.3g} | "
             f"{'ok' if result['ok'] else 'FAILED ' + result.get('error', '')} |")
 
 
-def run_in_workers(rows: list, interpret: bool, device: str):
+def row_label(device: str, kernel: str, fmt: str, heads, with_options: bool, family: str, target: str) -> str:
+    """A row's first six cells: device, kernel, kernels, format, heads, options."""
+    return (f"| {device} | {kernel} | {family if target == 'gpu' else 'tpu'} | {fmt} | {heads[0]}/{heads[1]} | "
+            f"{'on' if with_options else 'off'} |")
+
+
+def run_in_workers(rows: list, interpret: bool, device: str, target: str):
     """The rows' markdown lines, run by a worker process that starts over after the row it
     died in (a compiler that crashes the process fails its row, not the rest)."""
     done = 0
@@ -153,9 +158,7 @@ def run_in_workers(rows: list, interpret: bool, device: str):
                 print(line, end="", flush=True)
                 yield line.rstrip("\n")
         if worker.wait() != 0 and done < len(rows):
-            kernel, fmt, heads, with_options, family = rows[done]
-            line = (f"| {device} | {kernel} | {family} | {fmt} | {heads[0]}/{heads[1]} | "
-                    f"{'on' if with_options else 'off'} | nan | FAILED the process died (exit {worker.returncode}) |")
+            line = f"{row_label(device, *rows[done], target)} nan | FAILED the process died (exit {worker.returncode}) |"
             print(line, flush=True)
             yield line
             done += 1
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     print("| device | kernel | kernels | format | heads | options | max abs err | ok |\n"
           "|---|---|---|---|---|---|---|---|")
-    table = list(run_in_workers(rows, args.interpret_smoke, device))
+    table = list(run_in_workers(rows, args.interpret_smoke, device, target))
     failures = sum("| ok |" not in line for line in table)
     if not args.skip_bench and not args.interpret_smoke:
         import kernels_gpu

@@ -32,3 +32,25 @@ def test_interpret_smoke_runs_the_checks():
     rows = [line for line in run.stdout.splitlines() if line.startswith("| cpu |")]
     assert len(rows) == 4 and all(row.endswith("| ok |") for row in rows), rows  # Triton x 3, Mosaic GPU x 1
     assert json.loads(run.stdout.strip().splitlines()[-1])["failures"] == 0
+
+
+def test_a_worker_that_dies_fails_its_row_and_the_rest_still_run(tmp_path, monkeypatch):
+    """run_in_workers against a stand-in worker that prints row 0 and then dies of SIGSEGV when
+    started at row 0 (as the Triton KIVI decode did on an H200): row 1 is a failed row naming
+    the signal, and a new worker runs row 2."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import device_check
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, signal, sys\n"
+        "start = int(sys.argv[sys.argv.index('--child-from') + 1])\n"
+        "for i in range(start, 3):\n"
+        "    print(f'| dev | row{i} | ok |', flush=True)\n"
+        "    if start == 0:\n"
+        "        os.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setattr(device_check, "__file__", str(worker))
+    rows = [("decode", fmt, (8, 1), False, "triton") for fmt in ("dense", "int4", "int8")]
+    table = list(device_check.run_in_workers(rows, interpret=False, device="dev", target="gpu"))
+    assert table[0] == "| dev | row0 | ok |" and table[2] == "| dev | row2 | ok |"
+    assert table[1] == "| dev | decode | triton | int4 | 8/1 | off | nan | FAILED the process died (exit -11) |"
