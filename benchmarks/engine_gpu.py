@@ -3,24 +3,29 @@
 A random-weight model with Llama-3.2-1B's shapes (16 layers, d_model 2048, 32 query / 8 KV
 heads of 64, FFN 8192, vocab 128,256; bf16; speed does not depend on the weights' values)
 serves `--batch` prompts of `--prompt-tokens` random tokens (prefill chunks of 512, 8 rows a
-step), greedy, `--new-tokens` each, through `Engine.generate`, once per configuration, side by side in one process:
+step), greedy, `--new-tokens` each, through `Engine.generate`, once per configuration, side by
+side in one process:
 
-  reference  attention_impl="reference" (XLA gathers the pages), bf16 cache
-  auto       attention_impl="auto" (the dispatch's kernels: Triton decode, Mosaic GPU prefill on Hopper), bf16 cache
-  auto_int8  the kernels over an int8 cache
-  auto_async the kernels, with asynchronous scheduling (the host prepares step n+1 while step
-             n runs: on the H200 the steps of a small batch were bound by host work)
+  reference   attention_impl="reference" (XLA gathers the pages), bf16 cache
+  auto        attention_impl="auto" (the dispatch's kernels: Triton decode, Mosaic GPU
+              prefill on Hopper), bf16 cache
+  auto_int8   the kernels over an int8 cache
+  auto_async  the kernels with asynchronous scheduling (the host prepares step n+1 while step
+              n runs: on the H200 a small batch's step took 6x its weight and KV reads)
 
 Decode throughput = (new tokens - 1) x batch / (time(generate N) - time(generate 1)), so the
 prefill and the first token are excluded; host scheduling is included (it is what users get).
 Each engine's compile counter is read before and after the timed runs: a steady state
-compiles nothing. Greedy tokens of auto and reference are compared (bf16 sums in another
-order can flip a near-tie, so this is reported, not asserted; the kernels' numerics are
-checked by benchmarks/device_check.py).
+compiles nothing. One more run of each synchronous config under `step_timer.StepTimer` splits
+a step into host work and its program (p50s) and gives the fraction of the wall time the
+device idles. Greedy tokens of auto and reference are compared (bf16 sums in another order
+can flip a near-tie, so this is reported, not asserted; benchmarks/device_check.py checks
+the kernels' numerics).
 
-Last line, one JSON object: device, {config}_tok_s, auto_over_reference, int8_over_bf16, async_over_sync,
-steady_state_compiles, first_token_match_frac (the prefill's), greedy_match_frac, fallbacks. Without a GPU or TPU it says so and
-prints nulls.
+Last line, one JSON object: device, {config}_tok_s, auto_over_reference, int8_over_bf16,
+async_over_sync, host_ms_per_step and device_idle_frac (of auto), steady_state_compiles,
+first_token_match_frac (after the prefill), greedy_match_frac, fallbacks. Without a GPU or
+TPU it says so and prints nulls.
 
     python benchmarks/engine_gpu.py [--batch 64] [--prompt-tokens 2048] [--new-tokens 64]
 """
@@ -34,12 +39,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from step_timer import StepTimer
 
 CONFIGS = {"reference": dict(attention_impl="reference"), "auto": dict(attention_impl="auto"),
            "auto_int8": dict(attention_impl="auto", kv_cache="int8"),
            "auto_async": dict(attention_impl="auto", async_scheduling=True)}
 KEYS = [f"{name}_tok_s" for name in CONFIGS] + ["auto_over_reference", "int8_over_bf16", "async_over_sync",
-                                                 "steady_state_compiles",
+                                                 "host_ms_per_step", "device_idle_frac", "steady_state_compiles",
                                                  "first_token_match_frac", "greedy_match_frac", "fallbacks"]
 
 
@@ -73,9 +79,15 @@ def run_config(model, ids: list[list[int]], new_tokens: int, **engine_args) -> d
     warm = time.perf_counter() - t0
     before = engine.metrics().compiled_programs
     dt = min(run(new_tokens)[0] for _ in range(2)) - min(run(1)[0] for _ in range(2))
+    split = dict(host_ms=None, program_ms=None, device_idle_frac=None)
+    if not engine_args.get("async_scheduling"):  # the timer waits on each program: it would serialize async steps
+        with StepTimer(engine) as timer:
+            run(new_tokens)
+        split = dict(host_ms=timer.host_ms_per_step, program_ms=1e3 * float(np.median(timer.device)),
+                     device_idle_frac=timer.device_idle_frac)
     return dict(tok_s=(new_tokens - 1) * b / dt, warmup_s=warm, tokens=tokens,
                 steady_state_compiles=engine.metrics().compiled_programs - before,
-                fallbacks=sorted(set(engine.fallbacks.values())))
+                fallbacks=sorted(set(engine.fallbacks.values())), **split)
 
 
 def main(argv=None) -> int:
@@ -94,11 +106,13 @@ def main(argv=None) -> int:
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, args.prompt_tokens)).tolist()
     print(f"device: {device}, jax {jax.__version__}; {model.source}, batch {args.batch}, "
           f"prompt {args.prompt_tokens}, new {args.new_tokens}")
-    print("| device | config | decode tok/s | warm-up s | steady-state compiles | fallbacks |\n|---|---|---|---|---|---|")
+    print("| device | config | decode tok/s | host ms / step | program ms / step | device idle | warm-up s | "
+          "steady-state compiles | fallbacks |\n|---|---|---|---|---|---|---|---|---|")
     results = {}
     for name in args.configs:
         r = results[name] = run_config(model, ids, args.new_tokens, **CONFIGS[name])
-        print(f"| {device} | {name} | {r['tok_s']:.0f} | {r['warmup_s']:.1f} | {r['steady_state_compiles']} | "
+        split = " | ".join("-" if r[k] is None else f"{r[k]:.2f}" for k in ("host_ms", "program_ms", "device_idle_frac"))
+        print(f"| {device} | {name} | {r['tok_s']:.0f} | {split} | {r['warmup_s']:.1f} | {r['steady_state_compiles']} | "
               f"{', '.join(r['fallbacks']) or '-'} |", flush=True)
     tok = {name: r["tok_s"] for name, r in results.items()}
     out = {f"{name}_tok_s": round(t, 1) for name, t in tok.items()}
@@ -111,6 +125,9 @@ def main(argv=None) -> int:
         out["int8_over_bf16"] = round(tok["auto_int8"] / tok["auto"], 3)
     if {"auto", "auto_async"} <= tok.keys():
         out["async_over_sync"] = round(tok["auto_async"] / tok["auto"], 3)
+    if "auto" in results:
+        out |= dict(host_ms_per_step=round(results["auto"]["host_ms"], 3),
+                    device_idle_frac=round(results["auto"]["device_idle_frac"], 3))
     out |= dict(steady_state_compiles=sum(r["steady_state_compiles"] for r in results.values()),
                 fallbacks=sorted({f for r in results.values() for f in r["fallbacks"]}))
     print(json.dumps(dict(device=device) | dict.fromkeys(KEYS) | out))

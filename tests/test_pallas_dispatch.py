@@ -77,7 +77,8 @@ def test_tiny_model_greedy_tokens_equal_with_pallas(kv_cache):
                                   "int4_speedup_over_bf16", "pallas_over_xla_bf16", "mosaic_over_triton_bf16"]),
     ("engine_gpu.py", "no GPU or TPU", ["device", "reference_tok_s", "auto_tok_s", "auto_int8_tok_s",
                                         "auto_async_tok_s", "auto_over_reference", "int8_over_bf16",
-                                        "async_over_sync", "steady_state_compiles",
+                                        "async_over_sync", "host_ms_per_step", "device_idle_frac",
+                                        "steady_state_compiles",
                                         "first_token_match_frac", "greedy_match_frac", "fallbacks"]),
 ])
 def test_gpu_benchmarks_without_a_gpu_say_so_and_print_nulls(script, first_line, keys):
@@ -105,6 +106,7 @@ def test_engine_gpu_benchmark_measures_each_config_on_a_tiny_model():
     for name, engine_args in engine_gpu.CONFIGS.items():
         result = engine_gpu.run_config(Model(config, params, None), ids, 6, **engine_args)
         assert result["tok_s"] > 0 and result["steady_state_compiles"] == 0 and result["fallbacks"] == []
+        assert (result["host_ms"] is None) == (name == "auto_async")
         tokens[name] = result["tokens"]
         assert [len(t) for t in tokens[name]] == [6, 6, 6]
     assert tokens["auto"] == tokens["reference"] == tokens["auto_async"]
