@@ -25,6 +25,10 @@ Last line, one JSON object (figures at context 16,384, the faster page size of e
   int4_speedup_over_bf16   bf16 kernel time / int4 kernel time (goal >= 2.8)
   pallas_over_xla_bf16     XLA reference time / bf16 kernel time
   mosaic_over_triton_bf16  Triton bf16 kernel time / Mosaic GPU bf16 kernel time (Hopper only)
+  prefill_tflops_bf16      chunked prefill (the last 512 tokens of 8 sequences of 4,096, page
+                           16, bf16 cache): the faster kernel's attention TFLOP/s
+  mosaic_over_triton_prefill_bf16   Triton prefill time / Mosaic GPU prefill time (Hopper only;
+                           the dispatch runs Mosaic GPU prefill there, untimed until now)
 The per-format figures take the faster kernel family (on an H200 that was Triton: the dispatch
 runs it for decode). Compiled Triton decode over KIVI int4 pages crashed the process on an H200
 (jax 0.11.2), so the int4 rows are skipped on a GPU (the dispatch runs the reference there).
@@ -48,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 KEYS = ("copy_gbps", "bf16_frac_of_copy", "int8_frac_of_copy", "int8_speedup_over_bf16", "int4_speedup_over_bf16",
-        "pallas_over_xla_bf16", "mosaic_over_triton_bf16")
+        "pallas_over_xla_bf16", "mosaic_over_triton_bf16", "prefill_tflops_bf16", "mosaic_over_triton_prefill_bf16")
 FORMATS = ("bf16", "int8", "fp8_e4m3", "int4")
 BATCH, HQ, HKV, DH = 64, 32, 8, 128
 
@@ -61,6 +65,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=BATCH)
     p.add_argument("--iters", type=int, default=20, help="dependent calls per timed loop")
     p.add_argument("--repeats", type=int, default=3, help="timed loops per measurement (best is kept)")
+    p.add_argument("--prefill-contexts", type=int, nargs="*", default=[4096],
+                   help="chunked prefill rows: the last --prefill-chunk tokens of sequences this long (none: skip)")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-batch", type=int, default=8)
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--interpret-smoke", action="store_true",
                    help="exercise this script without a GPU: tiny shapes, kernels in interpret mode (figures meaningless)")
@@ -69,6 +77,7 @@ def main(argv=None) -> int:
     interpret = args.interpret_smoke
     if interpret:
         args.contexts, args.page_sizes, args.batch, args.iters, args.repeats = [32], [16], 2, 2, 1
+        args.prefill_contexts, args.prefill_chunk, args.prefill_batch = [32], 8, 2
     elif jax.default_backend() not in ("gpu", "tpu"):
         print(f"no GPU found (nor a TPU; JAX backend: {jax.default_backend()}): nothing measured")
         print(json.dumps(dict.fromkeys(KEYS)))
@@ -98,7 +107,17 @@ def main(argv=None) -> int:
                                                  copy_gbps, interpret, family))
                     except Exception as err:  # noqa: BLE001 - a kernel that fails here is reported, not fatal
                         print(f"{where} FAILED {type(err).__name__}: {str(err)[:200]}", flush=True)
-    print(json.dumps(summary(rows, copy_gbps, max(args.contexts))))
+    prefill_rows = []
+    for context in args.prefill_contexts:  # page 16, bf16 and int8: which family should run prefill?
+        for fmt in ("bf16", "int8"):
+            for family in families if jax.default_backend() != "tpu" else ["tpu"]:
+                try:
+                    prefill_rows.append(bench_prefill(fmt, context, args.prefill_chunk, 16, args.prefill_batch,
+                                                      args.iters, args.repeats, interpret, family))
+                except Exception as err:  # noqa: BLE001
+                    print(f"prefill format={fmt} kernels={family} context={context} FAILED {type(err).__name__}: "
+                          f"{str(err)[:200]}", flush=True)
+    print(json.dumps(summary(rows, copy_gbps, max(args.contexts)) | prefill_summary(prefill_rows)))
     return 0
 
 
@@ -152,15 +171,7 @@ def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int,
     from pallas_kernels.lowering import kernel_function
 
     decode = kernel_function("decode", "tpu" if family == "tpu" else "cuda", mosaic_gpu=family == "mosaic")
-
-    pages_per_seq = context // page_size
-    num_pages = batch * pages_per_seq + 1
-    key = jax.random.PRNGKey(context + page_size)
-    layer = make_layer(fmt, num_pages, page_size, key, batch)
-    perm = np.random.default_rng(0).permutation(np.arange(1, num_pages))
-    tables = jnp.asarray(perm.reshape(batch, pages_per_seq), jnp.int32)
-    lengths = jnp.full((batch,), context, jnp.int32)
-    slots = jnp.arange(batch, dtype=jnp.int32)
+    layer, tables, lengths, slots = full_cache(fmt, context, page_size, batch)
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, HQ, DH), jnp.bfloat16)
     scale = 1 / math.sqrt(DH)
 
@@ -180,6 +191,51 @@ def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int,
                xla_ms=t_xla * 1e3,
                kernel_gbps=nbytes / t_kernel / 1e9, xla_gbps=nbytes / t_xla / 1e9, max_abs_err=err)
     row["frac_of_copy"] = row["kernel_gbps"] / copy_gbps
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return row
+
+
+def full_cache(fmt: str, context: int, page_size: int, batch: int):
+    """(layer, block tables i32[batch, context / page_size], lengths i32[batch], slots i32[batch]):
+    `batch` sequences of `context` tokens in shuffled pages of a random `fmt` cache."""
+    pages_per_seq = context // page_size
+    num_pages = batch * pages_per_seq + 1
+    layer = make_layer(fmt, num_pages, page_size, jax.random.PRNGKey(context + page_size), batch)
+    perm = np.random.default_rng(0).permutation(np.arange(1, num_pages))
+    tables = jnp.asarray(perm.reshape(batch, pages_per_seq), jnp.int32)
+    return layer, tables, jnp.full((batch,), context, jnp.int32), jnp.arange(batch, dtype=jnp.int32)
+
+
+def bench_prefill(fmt: str, context: int, chunk: int, page_size: int, batch: int, iters: int, repeats: int,
+                  interpret: bool = False, family: str = "triton") -> dict:
+    """The last `chunk` tokens of `batch` sequences of `context` tokens, as one chunked-prefill
+    call (their K/V already in the pages, as the engine writes them first) -> TFLOP/s of the
+    attention matmuls (QK^T and PV over each query's causal span), and the XLA reference's."""
+    from jaxinfer.attention.reference import paged_attention_reference
+    from pallas_kernels.formats import from_layer_kv
+    from pallas_kernels.lowering import kernel_function
+
+    prefill = kernel_function("prefill", "tpu" if family == "tpu" else "cuda", mosaic_gpu=family == "mosaic")
+    layer, tables, lengths, slots = full_cache(fmt, context, page_size, batch)
+    q = jax.random.normal(jax.random.PRNGKey(2), (batch, chunk, HQ, DH), jnp.bfloat16)
+    query_pos = jnp.broadcast_to(context - chunk + jnp.arange(chunk, dtype=jnp.int32), (batch, chunk))
+    scale = 1 / math.sqrt(DH)
+
+    def kernel(q, layer):
+        return prefill(q, from_layer_kv(layer), tables, lengths, query_pos, slots=slots, scale=scale,
+                       interpret=interpret)
+
+    def xla(q, layer):
+        return paged_attention_reference(q, layer, tables, lengths, query_pos, scale, slots=slots)
+
+    err = float(jnp.max(jnp.abs(jax.jit(kernel)(q, layer).astype(jnp.float32)
+                                - jax.jit(xla)(q, layer).astype(jnp.float32))))
+    t_kernel = time_loop(kernel, q, layer, iters, repeats)
+    t_xla = time_loop(xla, q, layer, iters, repeats)
+    flops = 4 * batch * HQ * DH * float(np.sum(context - chunk + 1 + np.arange(chunk)))  # 2 matmuls x 2 flops
+    row = dict(kernel="prefill", format=fmt, kernels=family, context=context, chunk=chunk, page_size=page_size,
+               kernel_ms=t_kernel * 1e3, xla_ms=t_xla * 1e3, kernel_tflops=flops / t_kernel / 1e12,
+               xla_tflops=flops / t_xla / 1e12, max_abs_err=err)
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     return row
 
@@ -209,6 +265,16 @@ def summary(rows, copy_gbps: float, context: int) -> dict:
         "pallas_over_xla_bf16": ratio(get("bf16", "xla_ms"), get("bf16", "kernel_ms")),
         "mosaic_over_triton_bf16": ratio(family_ms("bf16", "triton"), family_ms("bf16", "mosaic")),
     }
+
+
+def prefill_summary(rows) -> dict:
+    """The prefill keys: the fastest bf16 kernel's TFLOP/s, and Triton time / Mosaic GPU time."""
+    ms = {r["kernels"]: r["kernel_ms"] for r in rows if r["format"] == "bf16"}
+    best = min(ms.values()) if ms else None
+    return dict(prefill_tflops_bf16=next((r["kernel_tflops"] for r in rows if r["format"] == "bf16"
+                                          and r["kernel_ms"] == best), None),
+                mosaic_over_triton_prefill_bf16=ms["triton"] / ms["mosaic"] if {"triton", "mosaic"} <= ms.keys()
+                else None)
 
 
 def correctness_checks(small: bool = False) -> None:

@@ -74,7 +74,8 @@ def test_tiny_model_greedy_tokens_equal_with_pallas(kv_cache):
 
 @pytest.mark.parametrize("script,first_line,keys", [
     ("kernels_gpu.py", "no GPU", ["copy_gbps", "bf16_frac_of_copy", "int8_frac_of_copy", "int8_speedup_over_bf16",
-                                  "int4_speedup_over_bf16", "pallas_over_xla_bf16", "mosaic_over_triton_bf16"]),
+                                  "int4_speedup_over_bf16", "pallas_over_xla_bf16", "mosaic_over_triton_bf16",
+                                  "prefill_tflops_bf16", "mosaic_over_triton_prefill_bf16"]),
     ("engine_gpu.py", "no GPU or TPU", ["device", "reference_tok_s", "auto_tok_s", "auto_int8_tok_s",
                                         "auto_async_tok_s", "auto_over_reference", "int8_over_bf16",
                                         "async_over_sync", "host_ms_per_step", "device_idle_frac",
@@ -91,6 +92,22 @@ def test_gpu_benchmarks_without_a_gpu_say_so_and_print_nulls(script, first_line,
     summary = json.loads(lines[-1])
     assert list(summary) == keys
     assert all(v is None for v in summary.values())
+
+
+def test_kernels_gpu_benchmark_runs_its_rows_in_interpret_mode():
+    """kernels_gpu.py's code path on this CPU (kernels in interpret mode, tiny shapes): decode
+    and prefill rows of both GPU families, and every summary key filled (figures meaningless)."""
+    script = Path(__file__).parent.parent / "benchmarks" / "kernels_gpu.py"
+    run = subprocess.run([sys.executable, str(script), "--interpret-smoke", "--skip-checks", "--formats", "bf16"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line for line in run.stdout.splitlines() if "kernel_ms=" in line]
+    assert {(("prefill" if line.startswith("kernel=prefill") else "decode"), line.split("kernels=")[1].split()[0])
+            for line in rows} == {(k, f) for k in ("decode", "prefill") for f in ("triton", "mosaic")}
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    filled = {"copy_gbps", "bf16_frac_of_copy", "pallas_over_xla_bf16", "mosaic_over_triton_bf16",
+              "prefill_tflops_bf16", "mosaic_over_triton_prefill_bf16"}
+    assert all(summary[k] is not None and summary[k] > 0 for k in filled), summary
 
 
 def test_engine_gpu_benchmark_measures_each_config_on_a_tiny_model():
