@@ -1,5 +1,5 @@
 """Paged attention for Hopper GPUs (sm90: H100/H200) on **Pallas Mosaic GPU**: decode and chunked
-prefill over dense bf16/f16, int8 and fp8 pages, one kernel.
+prefill over dense bf16/f16, int8, fp8 and KIVI int4/int2 pages, one kernel.
 
 Mosaic GPU is JAX's GPU lowering from 0.10 on (Pallas Triton is deprecated from 0.11): a
 program is one warpgroup, pages move GMEM -> SMEM by TMA, and both matmuls run on the tensor
@@ -7,12 +7,13 @@ cores (`wgmma`, 64-row tiles). `paged_decode_mgpu` and `chunked_prefill_mgpu` ha
 contracts of the Triton kernels `paged_decode_gpu` / `chunked_prefill_gpu`. On an H200 both
 passed every check; Triton's decode ran 1.8x faster than `paged_decode_mgpu` (BENCHMARKS.md),
 so the dispatch runs this kernel for chunked prefill on Hopper and Triton's for decode
-(`jaxinfer.attention.dispatch.gpu_kernel_family`). Reference: `jaxinfer.attention.reference.paged_attention_reference`;
+(`jaxinfer.attention.dispatch.gpu_kernel_family`); KIVI pages have not run on a device here and
+are not dispatched to it. Reference: `jaxinfer.attention.reference.paged_attention_reference`;
 tests/test_pallas_mgpu.py runs these kernels in jax's GPU interpret mode on CPU.
 
 Layout. A page holds S tokens of every KV head, [S, Hkv, Dh], contiguous: viewed as
 [S * Hkv, Dh] it is a tile of keys in (token, head) order, and one TMA copy brings all heads of
-a page. An *all-heads* program (decode; prefill over int8 / fp8 pages) owns a sequence's heads,
+a page. An *all-heads* program (decode; prefill over int8 / fp8 / KIVI pages) owns a sequence's heads,
 so every key is read once and an int8 / fp8 page's per-token scales ([S, Hkv]) are one
 contiguous row. Its query rows are the query heads (decode) or (query, head) pairs (prefill),
 padded to 64 (wgmma's M); row r belongs to KV head (r % Hq) // G and sees only its head's
@@ -29,6 +30,20 @@ head's [S, Dh] slice of each page (a strided TMA copy), so prefill pays no such 
       V rows past the length -> 0 (their bytes may be anything, NaN included)
       s = q @ k^T (wgmma)  -> scale, soft-cap, mask, online softmax (common.py's formulas)
       acc += p @ v (wgmma)
+
+KIVI (int4 / int2, all-heads programs). A stored byte holds code j of `parts = 8 / bits`
+channel parts (part i: channels [i * w, (i + 1) * w), w = Dh / parts; formats.dequantize_part).
+Queries, the converted K / V tiles and the output are split into the same parts ([parts, ., w]
+each), so a tile's scores are a sum of `parts` wgmmas and each output part is a wgmma of its own::
+
+      TMA  packed k, v [N, w] u8 + each page's key scale / zero rows [Hkv, Dh] + value scale / zero [N]
+      K part i = zero + code * scale, per (page, head) row and channel (they vary along both
+           axes of the tile: built in f32 registers, then bf16 SMEM)
+      V part i = code (exact in bf16); the value scale goes on p's columns, the zero adds
+           sum_n p[r, n] * zero[n] to every channel of row r
+      the current page (the schedule's last step when it is `length // S`): after the pool
+           walk, by the split owning that step, from the slot's bf16 tail straight into the
+           converted tiles (by chunks, as a page), V past the length zeroed
 
 Grid (B, query blocks, k_splits): split s walks schedule steps [s * n, (s + 1) * n) of
 common.page_schedule over its block's query positions (sinks, window, length) and writes
@@ -286,11 +301,13 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, slots_ref, q_r
             ok = ok | (here & is_real)
         return pos, ok & (pos < length)
 
-    def convert(slot, v_ok):
-        """The tiles the wgmmas read for stage `slot` (lists of `parts` refs [N, w]) and the key
-        columns' value (scale, zero) rows, each f32[N] (int8 / fp8: zero None; dense: both None)."""
+    def convert(slot, bases, real):
+        """Stage `slot` of a tile whose pages start at `bases` -> (K tiles, V tiles: `parts` SMEM
+        refs [N, w] the wgmmas read; per-key score scales, SMEM [N] or None; (per-key value
+        scales, value zeros), SMEM [N] or None)."""
         if cfg.kind == "kivi":
-            return convert_kivi(slot, v_ok)
+            return convert_kivi(slot)
+        _, v_ok = key_positions(bases, real, _iota((n, cfg.head_dim), 0, cfg))  # bool[N, Dh]: V rows read
         k_src, v_src = k_stage.at[slot], v_stage.at[slot]
         if cfg.quantized:  # convert into the tiles the wgmmas read
             k_src, v_src = converted
@@ -300,10 +317,11 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, slots_ref, q_r
         k_cols, v_cols = (None, None) if not cfg.quantized else (scale_stages[0].at[slot], scale_stages[1].at[slot])
         return [k_src], [v_src], k_cols, (v_cols, None)
 
-    def convert_kivi(slot, v_ok):
+    def convert_kivi(slot):
         """KIVI: K part j = zero + code * scale per (page, head) and channel, built here in f32 (the
         scales vary along both axes of the tile, so they cannot ride on the scores' columns); V
-        parts are the codes (exact in bf16): the per-token scale and zero act on p's columns."""
+        parts are the codes (exact in bf16, never NaN: no rows to zero): the per-token scale and
+        zero act on p's columns."""
         k_parts, v_parts = converted
         k_scales, k_zeros, v_scales, v_zeros = scale_stages
         w, bits = cfg.head_dim // cfg.parts, 8 // cfg.parts
@@ -319,8 +337,7 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, slots_ref, q_r
                 zero = jnp.where(group == g, _columns(k_zeros.at[slot, g, channels], (n, w), cfg), zero)
             codes = ((k_codes >> (j * bits)) & (2**bits - 1)).astype(jnp.float32)  # f32[N, w]
             k_parts[j] = (zero + codes * scale).astype(k_parts.dtype)
-            v = ((v_codes >> (j * bits)) & (2**bits - 1)).astype(v_parts.dtype)  # codes are never NaN
-            v_parts[j] = v
+            v_parts[j] = ((v_codes >> (j * bits)) & (2**bits - 1)).astype(v_parts.dtype)
         parts = lambda ref: [ref.at[j] for j in range(cfg.parts)]
         return parts(k_parts), parts(v_parts), None, (v_scales.at[slot], v_zeros.at[slot])
 
@@ -388,8 +405,7 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, slots_ref, q_r
 
         plgpu.barrier_wait(kv_bars.at[slot])
         bases, real = tile_bases(t)
-        _, v_ok = key_positions(bases, real, _iota((n, cfg.head_dim // cfg.parts), 0, cfg))  # V rows read
-        k_tiles, v_tiles, k_cols, v_cols = convert(slot, v_ok)
+        k_tiles, v_tiles, k_cols, v_cols = convert(slot, bases, real)
         plgpu.commit_smem()
         return attend(carry, bases, real, k_tiles, v_tiles, k_cols, v_cols)
 
@@ -406,7 +422,7 @@ def _kernel(lengths_ref, q_lo_ref, q_hi_ref, bt_ref, row_pos_ref, slots_ref, q_r
         plgpu.barrier_wait(tail_bar)
         bases = [(length // cfg.page_size) * cfg.page_size + chunk * page_tokens] * ppb
         real = [True] + [False] * (ppb - 1)
-        _, v_ok = key_positions(bases, real, _iota((n, cfg.head_dim // cfg.parts), 0, cfg))
+        _, v_ok = key_positions(bases, real, _iota((n, cfg.head_dim // cfg.parts), 0, cfg))  # bool[N, w]
         for j in range(cfg.parts):  # tail tokens past the length, and rows of other tiles: 0 (may be NaN)
             v = v_parts[j]
             v_parts[j] = jnp.where(v_ok, v, jnp.zeros_like(v))
@@ -492,7 +508,7 @@ def _attend(q_rows, row_pos, q_lo, q_hi, pages: KernelPages, block_tables, lengt
         _swizzled((rows, n), dtype, w * jnp.dtype(dtype).itemsize),
         plgpu.Barrier(num_arrivals=parts + 1),  # q parts, row positions
         plgpu.Barrier(num_arrivals=ppb * (2 + len(scale_stages)), num_barriers=2),
-        plgpu.Barrier(num_arrivals=2 * parts),  # KIVI: a tail chunk's K and V parts
+        plgpu.Barrier(num_arrivals=2 * parts),  # a KIVI tail chunk's K and V parts (unused by other formats)
     ]
     if cfg.kind == "kivi":  # k, v parts the wgmmas read
         scratch += [_swizzled((parts, n, w), dtype), _swizzled((parts, n, w), dtype)]
