@@ -190,7 +190,8 @@ def query_rows(q_heads: int, decode: bool) -> int:
 
 
 def mgpu_supports(pages: KernelPages, q_heads: int, *, decode: bool) -> bool:
-    """Do the Mosaic GPU kernels take these pages and heads (else the Triton ones run)?"""
+    """Do the Mosaic GPU kernels take these pages and heads? (The dispatch asks for prefill on
+    Hopper, KIVI pages aside: unverified on a device, they go to Triton.)"""
     per_head = not decode and pages.format == "dense" and pages.num_kv_heads > 1  # chunked_prefill_mgpu's choice
     try:
         check_mgpu_shapes(pages, query_rows(q_heads // pages.num_kv_heads if per_head else q_heads, decode), per_head)
@@ -489,7 +490,9 @@ def _attend(q_rows, row_pos, q_lo, q_hi, pages: KernelPages, block_tables, lengt
         flat = lambda a: a.reshape(a.shape[0], chunks, page_size // chunks, *a.shape[2:])
     operands = [flat(pages.k), flat(pages.v)]
     scales = scale_dtype(pages, page_rows) if cfg.quantized else jnp.float32
-    if cfg.kind == "kivi":  # key scales / zeros as stored ([P, Hkv, Dh] bf16); tails in channel parts, bf16
+    # KIVI: key scales / zeros as stored ([P, Hkv, Dh] bf16); tails in channel parts, in bf16 (TMA
+    # copies bytes: an f32 tail is converted per call, one page per slot)
+    if cfg.kind == "kivi":
         tail = lambda a: a.astype(dtype).reshape(a.shape[0], chunks, page_rows, parts, w)
         operands += [pages.k_scale, pages.k_zero, flat(pages.v_scale.astype(scales)),
                      flat(pages.v_zero.astype(scales)), tail(pages.k_tail), tail(pages.v_tail)]

@@ -32,10 +32,11 @@ def _run(case, opts=AttentionOptions(), sink_logits=None, **kw):
 
 @pytest.mark.parametrize("fmt,dtype", [
     ("dense", "bfloat16"), ("dense", "float16"), ("int8", "float32"), ("int8", "bfloat16"),
-    ("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float32"),
+    ("fp8_e4m3", "bfloat16"), ("fp8_e5m2", "float32"), ("int4", "float32"), ("int2", "bfloat16"),
 ])
 def test_mgpu_decode_every_format(fmt, dtype):
-    """8 query / 2 KV heads, head_dim 64, pages of 16: two pages per 64-key tile."""
+    """8 query / 2 KV heads, head_dim 64, pages of 16: two pages per 64-key tile (KIVI with f32
+    queries: f32 tails too, converted to bf16 per call)."""
     case = make_case(fmt, dtype, EDGE_LENGTHS, heads=(8, 2), head_dim=64, page=PAGE)
     assert_close(_run(case), reference(case), "bfloat16")
 
