@@ -56,10 +56,11 @@ MLA_HEADS, MLA_RANK, MLA_ROPE_DIM = (16, 128), 512, 64
 
 def plan(smoke: bool, mosaic: bool = False) -> list[tuple[str, str, tuple[int, int], bool, str]]:
     """(kernel, format, heads, with options, kernel family) rows the check runs; `mosaic`: add
-    the Mosaic GPU kernels' rows (a Hopper GPU) where the dispatch would run them."""
+    the Mosaic GPU kernels' rows (a Hopper GPU) wherever they take the pages and heads."""
     if smoke:
         return [("decode", "int4", (8, 1), True, "triton"), ("prefill", "fp8_e4m3", (8, 1), True, "triton"),
-                ("mla_decode", "dense", (16, 1), False, "triton"), ("decode", "int8", (32, 8), True, "mosaic")]
+                ("mla_decode", "dense", (16, 1), False, "triton"), ("decode", "int8", (32, 8), True, "mosaic"),
+                ("decode", "int4", (32, 8), True, "mosaic")]
     paged = [(k, f, h, o) for k in ("decode", "prefill") for f in FORMATS for h in HEADS for o in (False, True)]
     mosaic_rows = [(*row, "mosaic") for row in paged if mosaic and mosaic_takes(*row)]  # first: the family JAX keeps
     return mosaic_rows + [(*row, "triton") for row in paged] + [("mla_decode", "dense", (h, 1), False, "triton")
@@ -67,7 +68,9 @@ def plan(smoke: bool, mosaic: bool = False) -> list[tuple[str, str, tuple[int, i
 
 
 def mosaic_takes(kernel: str, fmt: str, heads, with_options: bool) -> bool:
-    """Would the dispatch run the Mosaic GPU kernel for this row on a Hopper GPU?"""
+    """Does the Mosaic GPU kernel take this row on a Hopper GPU (`mgpu_supports`)? Its decode and
+    KIVI rows are checked although the dispatch sends them to Triton / the reference: a kernel
+    gets its device check before it is routed."""
     from pallas_kernels.lowering import Shape, abstract_pages
     from pallas_kernels.paged_attention_mgpu import mgpu_supports
 

@@ -210,7 +210,8 @@ def matrix(sweep_formats: tuple[str, ...] = ("dense", "int4", "int2")) -> list[t
 
 def mosaic_matrix() -> list[tuple[str, str, str, Shape, bool]]:
     """The Mosaic GPU kernels (decode, prefill): their formats x options at BASE and SWEEP, where
-    the dispatch runs them (`mgpu_supports`; elsewhere the Triton kernels, lowered above)."""
+    their tiles take them (`mgpu_supports`: KIVI pages included, though the dispatch sends those
+    to Triton; elsewhere the Triton kernels, lowered above)."""
     from pallas_kernels.paged_attention_mgpu import MGPU_FORMATS, mgpu_supports
 
     kernels, shapes = ("decode", "prefill"), (BASE, *SWEEP)

@@ -23,6 +23,7 @@ def test_without_a_device_it_says_what_it_would_run_and_exits_0():
     lines = run.stdout.strip().splitlines()
     assert lines[0].startswith("no GPU or TPU found (JAX backend: cpu)")
     assert "50 correctness checks" in run.stdout and "kernels_gpu.py --skip-checks" in run.stdout
+    assert "on a Hopper GPU 28 more" in run.stdout  # Mosaic GPU: dense x 2 heads, int8 / fp8 / KIVI x 32/8
     assert json.loads(lines[-1]) == dict(device=None, checks=0, failures=0, seconds=0.0)
 
 
@@ -30,7 +31,7 @@ def test_interpret_smoke_runs_the_checks():
     run = _run("--interpret-smoke")
     assert run.returncode == 0, run.stdout + run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| cpu |")]
-    assert len(rows) == 4 and all(row.endswith("| ok |") for row in rows), rows  # Triton x 3, Mosaic GPU x 1
+    assert len(rows) == 5 and all(row.endswith("| ok |") for row in rows), rows  # Triton x 3, Mosaic GPU x 2
     assert json.loads(run.stdout.strip().splitlines()[-1])["failures"] == 0
 
 

@@ -332,8 +332,9 @@ def test_only_programs_of_the_failing_kernel_fall_back(fake_gpu, monkeypatch, ca
 
 def test_gpu_kernel_family_mosaic_prefill_on_hopper_triton_elsewhere(monkeypatch):
     """On a Hopper GPU the Mosaic GPU prefill kernel takes bf16/f16, int8 and fp8 pages whose tiles
-    fit; decode (Triton measured 1.8x faster on an H200), f32 and KIVI pages, any pre-Hopper GPU
-    and interpret mode get the Triton kernels."""
+    fit; decode (Triton measured 1.8x faster on an H200), f32 and KIVI pages (the Mosaic GPU
+    kernel reads them, unverified on a device), any pre-Hopper GPU and interpret mode get the
+    Triton kernels."""
     from pallas_cases import make_case
     from pallas_kernels.formats import from_layer_kv
 
@@ -345,7 +346,8 @@ def test_gpu_kernel_family_mosaic_prefill_on_hopper_triton_elsewhere(monkeypatch
         assert dispatch.gpu_kernel_family(pages(fmt), 8, decode=True, interpret=False) == "triton"
         assert dispatch.gpu_kernel_family(pages(fmt), 8, decode=False, interpret=False) == "mosaic"
     assert dispatch.gpu_kernel_family(pages("dense", "float32"), 8, decode=False, interpret=False) == "triton"
-    assert dispatch.gpu_kernel_family(pages("int4", "float32"), 8, decode=False, interpret=False) == "triton"
+    for fmt in ("int4", "int2"):
+        assert dispatch.gpu_kernel_family(pages(fmt), 8, decode=False, interpret=False) == "triton"
     assert dispatch.gpu_kernel_family(pages("dense"), 8, decode=False, interpret=True) == "triton"
     monkeypatch.setattr(dispatch, "hopper", lambda: False)
     assert dispatch.gpu_kernel_family(pages("dense"), 8, decode=False, interpret=False) == "triton"

@@ -7,8 +7,8 @@ batch 64 and 8k contexts over int4 (packed: its channel parts are what a head_di
 can break); and the MLA latent decode kernel (bf16 latent cache, its only format) x target at
 DeepSeek-like shapes (r 512 + RoPE 64, 16 and 128 heads, pages 16 and 64, batch 8-64, to 8k).
 The Mosaic GPU kernels (decode and chunked prefill, `paged_attention_mgpu`) lower for every
-format they take (dense bf16, int8, fp8) x options at the base and sweep shapes where the
-dispatch runs them (`lowering.mosaic_matrix`: 68 exports; that export also checks each
+format they take (dense bf16, int8, fp8, KIVI int4 / int2) x options at the base and sweep shapes
+where `mgpu_supports` takes them (`lowering.mosaic_matrix`: 100 exports; that export also checks each
 program's shared memory against an H100's 227 KiB). `python -m pallas_kernels.lowering` runs
 the Triton / TPU sweep over dense and int2 too (BENCHMARKS.md). Each export runs the kernel's whole Python-side lowering (block shapes,
 index maps, casts); the fp8 x CUDA rows failed here ("cannot cast ... to f8E4M3FN": a masked
@@ -42,8 +42,8 @@ def test_matrix_covers_the_claim():
     base = {(k, t, f, o) for k, t, f, s, o in cases if s == lowering.BASE and t != lowering.MOSAIC_GPU}
     assert len(base) == 2 * 3 * 6 * 2  # decode, prefill x TPU v5e, v6e, CUDA (Triton) x formats x options
     mosaic = {(k, f, o) for k, t, f, s, o in cases if s == lowering.BASE and t == lowering.MOSAIC_GPU}
-    assert len(mosaic) == 2 * 4 * 2  # decode, prefill x dense, int8, fp8_e4m3, fp8_e5m2 x options
-    assert len([c for c in cases if c[1] == lowering.MOSAIC_GPU]) == 68
+    assert len(mosaic) == 2 * 6 * 2  # decode, prefill x dense, int8, fp8_e4m3, fp8_e5m2, int4, int2 x options
+    assert len([c for c in cases if c[1] == lowering.MOSAIC_GPU]) == 100
     mla = [(t, s) for k, t, _, s, _ in cases if k == "mla_decode"]
     assert len(mla) == 3 * len(lowering.MLA_SHAPES)
     assert {s.heads for _, s in mla} == {16, 128} and max(s.context for _, s in mla) == 8192

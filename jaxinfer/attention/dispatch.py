@@ -175,8 +175,9 @@ def kernel_names(target: str | None = None) -> tuple[str, ...]:
 
 def gpu_kernel_family(pages, q_heads: int, decode: bool, interpret: bool) -> str:
     """"mosaic" (Pallas Mosaic GPU: chunked prefill on a Hopper GPU, for the pages and heads its
-    tiles take) or "triton" (decode, everything else, and interpret mode on CPU)."""
-    if decode or interpret or not hopper():
+    tiles take) or "triton" (decode, KIVI pages, everything else, and interpret mode on CPU).
+    The Mosaic GPU kernel reads KIVI pages too, but only Triton's KIVI prefill has run on a device."""
+    if decode or interpret or not hopper() or pages.is_kivi:
         return "triton"
     from pallas_kernels.paged_attention_mgpu import mgpu_supports
 
