@@ -9,7 +9,7 @@ One run, side by side:
      head_dim 128, page sizes 16 and 64, caches bf16 / int8 / fp8_e4m3 / int4 (KIVI), and
      the XLA reference path (`paged_attention_reference`) on the same inputs. On a Hopper GPU
      both GPU kernel families run: Pallas Triton (`paged_decode_gpu`) and Pallas Mosaic GPU
-     (`paged_attention_mgpu`, for bf16 / int8 / fp8 pages), each row naming its family.
+     (`paged_attention_mgpu`), each row naming its family.
 
 Timing is device-side: each measurement runs N dependent calls inside one executable
 (`lax.fori_loop`, each call's output feeding the next call's query), after a warm-up run, and
@@ -31,7 +31,8 @@ Last line, one JSON object (figures at context 16,384, the faster page size of e
                            the dispatch runs Mosaic GPU prefill there, untimed until now)
 The per-format figures take the faster kernel family (on an H200 that was Triton: the dispatch
 runs it for decode). Compiled Triton decode over KIVI int4 pages crashed the process on an H200
-(jax 0.11.2), so the int4 rows are skipped on a GPU (the dispatch runs the reference there).
+(jax 0.11.2), so the Triton int4 rows are skipped on a GPU (the dispatch runs the reference
+there); the Mosaic GPU kernel's int4 rows run.
 On a TPU the same measurement runs the TPU decode kernel (Mosaic); the goals are the GPU's.
 On a machine with neither it says so, measures nothing and prints the keys with nulls.
 
@@ -95,8 +96,6 @@ def main(argv=None) -> int:
         for context in args.contexts:
             for page_size in args.page_sizes:
                 for family in families if jax.default_backend() != "tpu" else ["tpu"]:
-                    if family == "mosaic" and fmt == "int4":
-                        continue  # KIVI pages: Triton only
                     where = f"format={fmt} kernels={family} context={context} page_size={page_size}"
                     if fmt == "int4" and family == "triton" and not interpret:
                         print(f"{where} skipped: the compiled Triton decode over KIVI pages crashed the process on "
