@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     print(f"device copy: {copy_gbps:.0f} GB/s")
     if not args.skip_checks:
         correctness_checks(small=interpret)
-    from jaxinfer.attention.dispatch import hopper
+    from jaxinfer.attention.dispatch import KIVI_TRITON_DECODE_CRASH, hopper
 
     families = ["triton", "mosaic"] if hopper() or interpret else ["triton"]
     rows = []
@@ -98,8 +98,7 @@ def main(argv=None) -> int:
                 for family in families if jax.default_backend() != "tpu" else ["tpu"]:
                     where = f"format={fmt} kernels={family} context={context} page_size={page_size}"
                     if fmt == "int4" and family == "triton" and not interpret:
-                        print(f"{where} skipped: the compiled Triton decode over KIVI pages crashed the process on "
-                              "an H200 (jax 0.11.2); the dispatch runs the reference there", flush=True)
+                        print(f"{where} skipped: {KIVI_TRITON_DECODE_CRASH}", flush=True)
                         continue
                     try:
                         rows.append(bench_decode(fmt, context, page_size, args.batch, args.iters, args.repeats,
@@ -190,8 +189,13 @@ def bench_decode(fmt: str, context: int, page_size: int, batch: int, iters: int,
                xla_ms=t_xla * 1e3,
                kernel_gbps=nbytes / t_kernel / 1e9, xla_gbps=nbytes / t_xla / 1e9, max_abs_err=err)
     row["frac_of_copy"] = row["kernel_gbps"] / copy_gbps
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    report(row)
     return row
+
+
+def report(row: dict) -> None:
+    """One measured row as `key=value` pairs on a line."""
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
 
 def full_cache(fmt: str, context: int, page_size: int, batch: int):
@@ -235,7 +239,7 @@ def bench_prefill(fmt: str, context: int, chunk: int, page_size: int, batch: int
     row = dict(kernel="prefill", format=fmt, kernels=family, context=context, chunk=chunk, page_size=page_size,
                kernel_ms=t_kernel * 1e3, xla_ms=t_xla * 1e3, kernel_tflops=flops / t_kernel / 1e12,
                xla_tflops=flops / t_xla / 1e12, max_abs_err=err)
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    report(row)
     return row
 
 

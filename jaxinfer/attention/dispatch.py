@@ -48,6 +48,8 @@ from jaxinfer.kv.layer_cache import LayerCache, own_layer
 from jaxinfer.kv.streaming import StreamingSpec
 
 IMPLS = ("auto", "reference", "pallas", "pallas_gpu", "pallas_tpu")
+KIVI_TRITON_DECODE_CRASH = ("the compiled Triton decode kernel over KIVI pages crashed the process (segmentation "
+                            "fault) on an H200 with jax 0.11.2; GPU decode over KIVI pages runs the reference")
 KERNEL_IMPLS = ("pallas", "pallas_gpu", "pallas_tpu")
 
 
@@ -226,8 +228,7 @@ def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpre
         return str(err)
     decode = q.shape[1] == 1
     if target == "gpu" and not interpret and decode and pages.is_kivi:
-        return (f"the compiled Triton decode kernel over {pages.format} (KIVI) pages crashed the process "
-                "(segmentation fault) on an H200 with jax 0.11.2; GPU decode over KIVI pages runs the reference")
+        return f"{pages.format} (KIVI) pages: {KIVI_TRITON_DECODE_CRASH}"
     if target == "gpu" and not interpret and gpu_kernel_family(pages, q.shape[2], decode, False) == "triton":
         from pallas_kernels.gpu_tiles import default_pages_per_block
         from pallas_kernels.paged_decode_gpu import check_triton_shapes
