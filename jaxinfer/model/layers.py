@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq  # re-exported: RoPE lives with attention
 
-__all__ = ["apply_rope", "geglu_mlp", "linear", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
+__all__ = ["apply_rope", "geglu_mlp", "linear", "linears", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -17,10 +20,30 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x: [..., K], w: [N, K] (HF layout) -> [..., N]."""
-    y = jnp.einsum("...k,nk->...n", x, w)
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, preferred_element_type=None) -> jax.Array:
+    """x: [..., K], w: [N, K] (HF layout) -> [..., N].
+
+    A single row (a batch-1 decode step) is written `x @ w.T`: XLA:CPU fuses that transpose
+    into its multi-threaded gemv, which reads w at memory speed, where the einsum (or a
+    dot_general contracting w's last axis) becomes a plain dot thunk 20-30 % slower. From two
+    rows on both forms run the same GEMM (BENCHMARKS.md, "Decode at the hardware limit")."""
+    if math.prod(x.shape[:-1]) == 1:
+        y = jnp.matmul(x.reshape(1, -1), w.T, preferred_element_type=preferred_element_type).reshape(*x.shape[:-1], -1)
+    else:
+        y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
     return y if b is None else y + b
+
+
+def linears(x: jax.Array, ws: tuple[jax.Array, ...], bs: tuple[jax.Array | None, ...] | None = None) -> list[jax.Array]:
+    """[linear(x, w, b) for w, b in zip(ws, bs)]. For a single row without biases, one gemv over
+    the weights concatenated inside the program: XLA:CPU fuses the concatenation into the
+    gemv's reads (nothing is copied), and one large multi-threaded read beats several small
+    ones (q, k, v of SmolLM2: 2.9 -> 2.1 ms a step). More rows would copy the weights: separate."""
+    bs = bs or (None,) * len(ws)
+    if math.prod(x.shape[:-1]) != 1 or any(b is not None for b in bs):
+        return [linear(x, w, b) for w, b in zip(ws, bs)]
+    y = linear(x, jnp.concatenate(ws))
+    return jnp.split(y, np.cumsum([w.shape[0] for w in ws[:-1]]), axis=-1)
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -30,7 +30,7 @@ from jaxinfer.kv.paged_state import PagedKVState, write_indices
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.kv.window_ring import ring_indices
 from jaxinfer.layer_stack import LayerStack, run_lengths
-from jaxinfer.model.layers import geglu_mlp, linear, rms_norm, swiglu_mlp
+from jaxinfer.model.layers import geglu_mlp, linear, linears, rms_norm, swiglu_mlp
 from jaxinfer.model.mla import mla_attention
 from jaxinfer.model.moe import moe_mlp
 from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams
@@ -94,9 +94,10 @@ def attention_block(
         outs, layer_kv = mla_attention(c, layer, _split(x, groups), [g.positions for g in groups], idxs,
                                        inv_freq, layer_kv, attention_impl)
         return linear(_flat(outs), layer.wo), layer_kv
-    qs = _split(linear(x, layer.wq, layer.bq).reshape(-1, c.n_heads, c.head_dim), groups)
-    ks = _split(linear(x, layer.wk, layer.bk).reshape(-1, c.n_kv_heads, c.head_dim), groups)
-    vs = _split(linear(x, layer.wv, layer.bv).reshape(-1, c.n_kv_heads, c.head_dim), groups)
+    q, k, v = linears(x, (layer.wq, layer.wk, layer.wv), (layer.bq, layer.bk, layer.bv))
+    qs = _split(q.reshape(-1, c.n_heads, c.head_dim), groups)
+    ks = _split(k.reshape(-1, c.n_kv_heads, c.head_dim), groups)
+    vs = _split(v.reshape(-1, c.n_kv_heads, c.head_dim), groups)
     if c.qk_norm:  # per head, before RoPE (Gemma 3)
         qs = [rms_norm(q, layer.q_norm, c.rms_eps) for q in qs]
         ks = [rms_norm(k, layer.k_norm, c.rms_eps) for k in ks]
@@ -144,7 +145,7 @@ def _streaming_attention(c: ModelConfig, window: int | None, streaming: Streamin
 def lm_head(params: ModelParams, x: jax.Array) -> jax.Array:
     """x: [..., D] -> f32 logits [..., V] (tied to the embedding when lm_head is None)."""
     w = params.embed if params.lm_head is None else params.lm_head
-    return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    return linear(x, w, preferred_element_type=jnp.float32)
 
 
 def soft_cap_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:
