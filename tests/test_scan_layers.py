@@ -23,7 +23,10 @@ from jaxinfer.kv.plan import KVCachePlan
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.loading import Model
 from jaxinfer.model import forward, init_random_params
-from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, with_layer_runs
+from jaxinfer.model import stacking
+from jaxinfer.model.layers import TwoLayoutWeight, linear, linears
+from jaxinfer.model.params import with_gemm_weights
+from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.sampling import SamplingParams
 
 PLAN = KVCachePlan(("int8", "int8", "int4", "f32", "f32"))
@@ -188,3 +191,70 @@ def test_stacked_shardings_keep_the_layer_axis_whole():
     kv = init_paged_kv(config, KVCacheSpec.for_batch(1, 8, page_size=4), kv_cache="int8", layer_runs=(3,))
     kv_sh = sharding.kv_shardings(kv, mesh)
     assert kv_sh.layers[0].stacked.k_scale.spec == P(None, "data", None, "model")
+
+
+# Two weight layouts (`EngineConfig.weight_layouts`): the dense layers' weights also stored
+# transposed, which multi-row products read (`jaxinfer.model.layers.TwoLayoutWeight`).
+
+@pytest.mark.parametrize("case", ["gqa", "window", "mla", "plan"])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_two_weight_layouts_forward_equals_one(case, stacked):
+    """Prefill rows (GEMMs over `kn`) and decode rows (gemvs over `nk`) give the one-layout
+    forward's logits to f32 rounding (different kernels, so not bit for bit)."""
+    config, options = CASES[case]
+    params = init_random_params(config, seed=1, scale=0.3)
+    spec = KVCacheSpec(num_pages=2 * 4 + 1, page_size=4, max_slots=2, max_pages_per_seq=4)
+    runs = layer_runs(config, options.get("kv_cache", "auto")) if stacked else None
+    params = with_layer_runs(params, runs)
+    fresh = lambda: init_paged_kv(config, spec, layer_runs=runs, **options)
+    ref_logits, ref_tokens = decode(params, config, fresh())
+    both = with_gemm_weights(params)
+    if config.mla is None:
+        assert sum(isinstance(x, TwoLayoutWeight) for x in jax.tree.leaves(
+            both.layers, is_leaf=lambda x: isinstance(x, TwoLayoutWeight))) == len(both.layers) * 7
+    logits, tokens = decode(both, config, fresh())
+    assert tokens == ref_tokens
+    for want, got in zip(ref_logits, logits):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [(1,), (1, 1), (2,), (5,), (2, 3)])
+def test_linear_forms_agree(rows):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((*rows, 24)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal((n, 24)), jnp.float32) for n in (16, 8, 8)]
+    want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for w in ws]
+    for got in ([linear(x, w) for w in ws], [linear(x, TwoLayoutWeight(w, w.T)) for w in ws],
+                linears(x, tuple(ws)), linears(x, tuple(TwoLayoutWeight(w, w.T) for w in ws))):
+        for g, w in zip(got, want):
+            assert g.shape == (*rows, w.shape[-1])
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_layouts_option(monkeypatch):
+    config, params = tiny_model(n_layers=2)
+    assert resolve_weight_layouts("auto", params, backend="cpu") == "both"
+    assert resolve_weight_layouts("auto", params, backend="gpu") == resolve_weight_layouts("auto", params, backend="tpu") == "one"
+    assert resolve_weight_layouts("auto", params, mesh=object(), backend="cpu") == "one"
+    assert resolve_weight_layouts("one", params, backend="cpu") == "one"
+    monkeypatch.setattr(stacking, "AUTO_BOTH_LIMIT", 1000)  # the tiny layers' weights exceed it
+    assert resolve_weight_layouts("auto", params, backend="cpu") == "one"
+    with pytest.raises(ValueError, match="weight_layouts"):
+        resolve_weight_layouts("transposed", params)
+    with pytest.raises(ValueError, match="weight_layouts"):
+        EngineConfig(weight_layouts="transposed")
+
+
+def test_engine_weight_layouts_generate_the_same():
+    config, params = tiny_model(n_layers=2)
+    model = Model(config=config, params=params, tokenizer=None)
+    prompts = [[3, 5, 7, 11, 13], [17, 19, 23]]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for layouts in ("one", "both"):
+        eng = Engine(model, EngineConfig(max_slots=2, max_model_len=32, prefill_chunk=4, weight_layouts=layouts,
+                                         speculative=SpeculativeConfig("ngram", 2)))
+        assert any(isinstance(x, TwoLayoutWeight) for x in jax.tree.leaves(
+            eng.model.params, is_leaf=lambda x: isinstance(x, TwoLayoutWeight))) == (layouts == "both")
+        outs[layouts] = [o.token_ids for o in eng.generate(prompts, sp)]
+    assert outs["one"] == outs["both"]

@@ -45,7 +45,8 @@ from jaxinfer.kv.table_updates import TableMirror, TableUpdates, apply_table_upd
 from jaxinfer.kv.window_ring import hit_recompute, ring_pages
 from jaxinfer.layer_stack import LayerStack, entry_pytrees
 from jaxinfer.loading import Model
-from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, with_layer_runs
+from jaxinfer.model.params import with_gemm_weights
+from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.speculative.checkpoint import load_trained_draft
@@ -116,7 +117,10 @@ class Engine:
         sc = config.speculative  # scanned: params and cache stacked in runs; a self-draft's layers end one
         runs = (layer_runs(mc, config.kv_cache, (sc.self_layers,) if sc and sc.method == "self" else ())
                 if resolve_layer_loop(config.layer_loop) == "scan" else None)
-        self.model = model = dataclasses.replace(model, params=with_layer_runs(model.params, runs))
+        params = with_layer_runs(model.params, runs)
+        if resolve_weight_layouts(config.weight_layouts, params, config.mesh) == "both":
+            params = with_gemm_weights(params)
+        self.model = model = dataclasses.replace(model, params=params)
         max_chunk = max(config.prefill_chunk, 1 + (sc.num_speculative if sc else 0))
         # hybrid models: windowed layers in a bounded ring per slot (`jaxinfer.kv.window_ring`), on a mesh
         # each data replica's slots' rings on its devices

@@ -7,10 +7,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq  # re-exported: RoPE lives with attention
 
-__all__ = ["apply_rope", "geglu_mlp", "linear", "linears", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
+__all__ = ["TwoLayoutWeight", "apply_rope", "geglu_mlp", "linear", "linears", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -20,21 +21,39 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, preferred_element_type=None) -> jax.Array:
+@struct.dataclass
+class TwoLayoutWeight:
+    """A linear weight kept in both layouts, for XLA:CPU (`with_gemm_weights`): one-row products
+    read `nk` as a gemv at memory speed; products of 2+ rows multiply `kn` directly, where
+    from `nk` XLA:CPU's GEMM re-lays the weight out every call (M = 5: 1.45x, M = 16: 1.3x
+    faster this way on the CI machine). Twice the weight's memory."""
+
+    nk: jax.Array  # [..., N, K]: the HF layout
+    kn: jax.Array  # [..., K, N]: the same weight transposed
+
+
+def linear(x: jax.Array, w: jax.Array | TwoLayoutWeight, b: jax.Array | None = None, *,
+           preferred_element_type=None) -> jax.Array:
     """x: [..., K], w: [N, K] (HF layout) -> [..., N].
 
     A single row (a batch-1 decode step) is written `x @ w.T`: XLA:CPU fuses that transpose
     into its multi-threaded gemv, which reads w at memory speed, where the einsum (or a
-    dot_general contracting w's last axis) becomes a plain dot thunk 20-30 % slower. From two
-    rows on both forms run the same GEMM (BENCHMARKS.md, "Decode at the hardware limit")."""
-    if math.prod(x.shape[:-1]) == 1:
+    dot_general contracting w's last axis) becomes a plain dot thunk 20-30 % slower
+    (BENCHMARKS.md, "Decode at the hardware limit"). More rows use `TwoLayoutWeight.kn` when
+    the weight carries it."""
+    rows = math.prod(x.shape[:-1])
+    if rows > 1 and isinstance(w, TwoLayoutWeight):
+        y = jnp.matmul(x, w.kn, preferred_element_type=preferred_element_type)
+    elif rows == 1:
+        w = w.nk if isinstance(w, TwoLayoutWeight) else w
         y = jnp.matmul(x.reshape(1, -1), w.T, preferred_element_type=preferred_element_type).reshape(*x.shape[:-1], -1)
     else:
         y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
     return y if b is None else y + b
 
 
-def linears(x: jax.Array, ws: tuple[jax.Array, ...], bs: tuple[jax.Array | None, ...] | None = None) -> list[jax.Array]:
+def linears(x: jax.Array, ws: tuple[jax.Array | TwoLayoutWeight, ...],
+            bs: tuple[jax.Array | None, ...] | None = None) -> list[jax.Array]:
     """[linear(x, w, b) for w, b in zip(ws, bs)]. For a single row without biases, one gemv over
     the weights concatenated inside the program: XLA:CPU fuses the concatenation into the
     gemv's reads (nothing is copied), and one large multi-threaded read beats several small
@@ -42,6 +61,7 @@ def linears(x: jax.Array, ws: tuple[jax.Array, ...], bs: tuple[jax.Array | None,
     bs = bs or (None,) * len(ws)
     if math.prod(x.shape[:-1]) != 1 or any(b is not None for b in bs):
         return [linear(x, w, b) for w, b in zip(ws, bs)]
+    ws = [w.nk if isinstance(w, TwoLayoutWeight) else w for w in ws]
     y = linear(x, jnp.concatenate(ws))
     return jnp.split(y, np.cumsum([w.shape[0] for w in ws[:-1]]), axis=-1)
 

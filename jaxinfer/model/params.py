@@ -16,6 +16,7 @@ from flax import struct
 
 from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
+from jaxinfer.model.layers import TwoLayoutWeight
 
 
 @struct.dataclass
@@ -207,3 +208,23 @@ def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02,
         return scale * rng.standard_normal(shape, dtype=np.float32)
 
     return build_params(config, get, layer_runs=layer_runs)
+
+
+GEMM_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the dense layers' linear weights
+
+
+def with_gemm_weights(params: ModelParams) -> ModelParams:
+    """`params` with each dense layer's linear weights also stored transposed
+    (`jaxinfer.model.layers.TwoLayoutWeight`): XLA:CPU's multi-row products (verify blocks,
+    batches, prefill chunks) then skip re-laying the weight out every call. Copies those
+    weights once; MLA layers, experts, embedding and LM head are left as they are."""
+
+    def both(layer):
+        if not isinstance(layer, LayerParams):
+            return layer
+        return layer.replace(**{name: TwoLayoutWeight(w, jnp.swapaxes(w, -1, -2)) for name in GEMM_WEIGHTS
+                                if isinstance(w := getattr(layer, name), jax.Array)})
+
+    layers = tuple(layer_stack.LayerStack(both(x.stacked)) if isinstance(x, layer_stack.LayerStack) else both(x)
+                   for x in params.layers)
+    return params.replace(layers=layers)
