@@ -1,8 +1,9 @@
 """Model parameters as a pytree of plain arrays.
 
 Linear weights are stored `[out_features, in_features]` (the HF/GGUF row layout); the
-forward multiplies `x @ w.T`. On XLA:CPU this [N, K] layout is the faster one for the
-49152-wide LM head, and it means loaders copy tensors without transposing.
+forward multiplies `x @ w.T`. On XLA:CPU this [N, K] layout is the faster one for one-row
+gemvs, and it means loaders copy tensors without transposing; an engine on CPU also keeps
+the dense layers' weights transposed for its multi-row GEMMs (`with_gemm_weights`).
 Layers are a tuple with one pytree per layer, or (the stacked layout, `jaxinfer.layer_stack`)
 one per run of alike layers with a leading layer axis, which the forward scans over.
 """
