@@ -219,13 +219,18 @@ def test_two_weight_layouts_forward_equals_one(case, stacked):
 
 
 @pytest.mark.parametrize("rows", [(1,), (1, 1), (2,), (5,), (2, 3)])
-def test_linear_forms_agree(rows):
+@pytest.mark.parametrize("biases", [None, (True, True, True), (False, True, False)])
+def test_linear_forms_agree(rows, biases):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((*rows, 24)), jnp.float32)
     ws = [jnp.asarray(rng.standard_normal((n, 24)), jnp.float32) for n in (16, 8, 8)]
-    want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for w in ws]
-    for got in ([linear(x, w) for w in ws], [linear(x, TwoLayoutWeight(w, w.T)) for w in ws],
-                linears(x, tuple(ws)), linears(x, tuple(TwoLayoutWeight(w, w.T) for w in ws))):
+    bs = None if biases is None else tuple(jnp.asarray(rng.standard_normal(w.shape[0]), jnp.float32) if on else None
+                                           for w, on in zip(ws, biases))
+    want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T + (0 if b is None else np.asarray(b, np.float64))
+            for w, b in zip(ws, bs or (None,) * 3)]
+    for got in ([linear(x, w, b) for w, b in zip(ws, bs or (None,) * 3)],
+                [linear(x, TwoLayoutWeight(w, w.T), b) for w, b in zip(ws, bs or (None,) * 3)],
+                linears(x, tuple(ws), bs), linears(x, tuple(TwoLayoutWeight(w, w.T) for w in ws), bs)):
         for g, w in zip(got, want):
             assert g.shape == (*rows, w.shape[-1])
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
