@@ -1,14 +1,14 @@
-"""One weight layout or two on XLA:CPU (`EngineConfig.weight_layouts`), side by side.
+"""One weight layout or all three on XLA:CPU (`EngineConfig.weight_layouts`), side by side.
 
     python benchmarks/weight_layouts.py [--reps 6]
 
 SmolLM2-135M f32, the engine programs `benchmarks/verify_profile.py` times (every slot
 decoding greedily at context 96): the plain step at b = 1 and 16 and the verify program with
 k = 2 and 4 n-gram drafts at b = 1 (k = 4 at b = 16), built once with the dense layers'
-weights in the checkpoint's [out, in] layout only ("one") and once also transposed
-("both"), all programs timed interleaved round by round. Last line: JSON with each program's
-ms per layout, "both" over "one" per program (`speedup_*`) and the verify cost (verify
-program / plain step) per layout.
+weights in the checkpoint's [out, in] layout only ("one") and once also as column panels and
+transposed ("all", `jaxinfer.model.layers.LinearLayouts`), all programs timed interleaved
+round by round. Last line: JSON with each program's ms per layout, "all" over "one" per
+program (`speedup_*`) and the verify cost (verify program / plain step) per layout.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from jaxinfer.loading import load_model
 from jaxinfer.speculative.config import SpeculativeConfig
 from jaxinfer.speculative.step import DraftBatch
 
-LAYOUTS = ("one", "both")
+LAYOUTS = ("one", "all")
 
 
 def programs(model, layouts: str) -> dict[str, Program]:
@@ -52,12 +52,12 @@ def main() -> None:
     progs = {f"{layouts}.{name}": p for layouts in LAYOUTS for name, p in programs(model, layouts).items()}
     ms = {name: 1e3 * t for name, t in timed(progs, args.reps).items()}
     names = [name.split(".", 1)[1] for name in progs if name.startswith("one.")]
-    print(f"{'program':<10}{'one ms':>9}{'both ms':>9}{'both/one':>10}")
+    print(f"{'program':<10}{'one ms':>9}{'all ms':>9}{'one/all':>10}")
     for name in names:
-        one, both = ms[f"one.{name}"], ms[f"both.{name}"]
-        print(f"{name:<10}{one:>9.2f}{both:>9.2f}{one / both:>9.2f}x")
-        summary |= {f"{name}_ms_one": round(one, 2), f"{name}_ms_both": round(both, 2),
-                    f"speedup_{name}": round(one / both, 3)}
+        one, every = ms[f"one.{name}"], ms[f"all.{name}"]
+        print(f"{name:<10}{one:>9.2f}{every:>9.2f}{one / every:>9.2f}x")
+        summary |= {f"{name}_ms_one": round(one, 2), f"{name}_ms_all": round(every, 2),
+                    f"speedup_{name}": round(one / every, 3)}
     for layouts in LAYOUTS:
         for name in names:
             if not name.startswith("plain"):

@@ -24,7 +24,7 @@ from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.loading import Model
 from jaxinfer.model import forward, init_random_params
 from jaxinfer.model import stacking
-from jaxinfer.model.layers import TwoLayoutWeight, linear, linears
+from jaxinfer.model.layers import PANEL_MAX_ROWS, LinearLayouts, linear, linears, panel_width, to_panels
 from jaxinfer.model.params import with_gemm_weights
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.sampling import SamplingParams
@@ -193,13 +193,13 @@ def test_stacked_shardings_keep_the_layer_axis_whole():
     assert kv_sh.layers[0].stacked.k_scale.spec == P(None, "data", None, "model")
 
 
-# Two weight layouts (`EngineConfig.weight_layouts`): the dense layers' weights also stored
-# transposed, which multi-row products read (`jaxinfer.model.layers.TwoLayoutWeight`).
+# Weight layouts (`EngineConfig.weight_layouts`): the dense layers' weights also stored as
+# column panels and transposed, which multi-row products read (`jaxinfer.model.layers.LinearLayouts`).
 
 @pytest.mark.parametrize("case", ["gqa", "window", "mla", "plan"])
 @pytest.mark.parametrize("stacked", [False, True])
-def test_two_weight_layouts_forward_equals_one(case, stacked):
-    """Prefill rows (GEMMs over `kn`) and decode rows (gemvs over `nk`) give the one-layout
+def test_all_weight_layouts_forward_equals_one(case, stacked):
+    """Prefill rows (GEMMs over `kn` or batched matmuls over `panels`) and decode rows (gemvs over `nk`) give the one-layout
     forward's logits to f32 rounding (different kernels, so not bit for bit)."""
     config, options = CASES[case]
     params = init_random_params(config, seed=1, scale=0.3)
@@ -208,41 +208,55 @@ def test_two_weight_layouts_forward_equals_one(case, stacked):
     params = with_layer_runs(params, runs)
     fresh = lambda: init_paged_kv(config, spec, layer_runs=runs, **options)
     ref_logits, ref_tokens = decode(params, config, fresh())
-    both = with_gemm_weights(params)
+    every = with_gemm_weights(params)
     if config.mla is None:
-        assert sum(isinstance(x, TwoLayoutWeight) for x in jax.tree.leaves(
-            both.layers, is_leaf=lambda x: isinstance(x, TwoLayoutWeight))) == len(both.layers) * 7
-    logits, tokens = decode(both, config, fresh())
+        assert sum(isinstance(x, LinearLayouts) for x in jax.tree.leaves(
+            every.layers, is_leaf=lambda x: isinstance(x, LinearLayouts))) == len(every.layers) * 7
+    logits, tokens = decode(every, config, fresh())
     assert tokens == ref_tokens
     for want, got in zip(ref_logits, logits):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [(1,), (1, 1), (2,), (5,), (2, 3)])
+@pytest.mark.parametrize("rows", [(1,), (1, 1), (2,), (PANEL_MAX_ROWS,), (2, 3), (PANEL_MAX_ROWS + 1,)])
 @pytest.mark.parametrize("biases", [None, (True, True, True), (False, True, False)])
 def test_linear_forms_agree(rows, biases):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((*rows, 24)), jnp.float32)
-    ws = [jnp.asarray(rng.standard_normal((n, 24)), jnp.float32) for n in (16, 8, 8)]
+    ws = [jnp.asarray(rng.standard_normal((n, 24)), jnp.float32) for n in (64, 16, 8)]
     bs = None if biases is None else tuple(jnp.asarray(rng.standard_normal(w.shape[0]), jnp.float32) if on else None
                                            for w, on in zip(ws, biases))
     want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T + (0 if b is None else np.asarray(b, np.float64))
             for w, b in zip(ws, bs or (None,) * 3)]
     for got in ([linear(x, w, b) for w, b in zip(ws, bs or (None,) * 3)],
-                [linear(x, TwoLayoutWeight(w, w.T), b) for w, b in zip(ws, bs or (None,) * 3)],
-                linears(x, tuple(ws), bs), linears(x, tuple(TwoLayoutWeight(w, w.T) for w in ws), bs)):
+                [linear(x, LinearLayouts.of(w), b) for w, b in zip(ws, bs or (None,) * 3)],
+                linears(x, tuple(ws), bs), linears(x, tuple(LinearLayouts.of(w) for w in ws), bs)):
         for g, w in zip(got, want):
             assert g.shape == (*rows, w.shape[-1])
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [8, 48, 64, 192])
+def test_panels_hold_the_weight(n):
+    """`to_panels` cuts [.., N, K] into [.., N // P, K, P] column panels with the widest P that divides N."""
+    w = np.arange(3 * n * 5, dtype=np.float32).reshape(3, n, 5)  # a stacked [L, N, K] weight
+    p = panel_width(n)
+    assert p == {8: 8, 48: 16, 64: 64, 192: 64}[n]
+    panels = np.asarray(to_panels(jnp.asarray(w)))
+    assert panels.shape == (3, n // p, 5, p)
+    for j, c in [(0, 0), (n // p - 1, p - 1), (n // p // 2, p // 2)]:
+        np.testing.assert_array_equal(panels[:, j, :, c], w[:, j * p + c, :])
+    with pytest.raises(ValueError, match="panel width"):
+        to_panels(jnp.zeros((12, 5)))
+
+
 def test_weight_layouts_option(monkeypatch):
     config, params = tiny_model(n_layers=2)
-    assert resolve_weight_layouts("auto", params, backend="cpu") == "both"
+    assert resolve_weight_layouts("auto", params, backend="cpu") == "all"
     assert resolve_weight_layouts("auto", params, backend="gpu") == resolve_weight_layouts("auto", params, backend="tpu") == "one"
     assert resolve_weight_layouts("auto", params, mesh=object(), backend="cpu") == "one"
     assert resolve_weight_layouts("one", params, backend="cpu") == "one"
-    monkeypatch.setattr(stacking, "AUTO_BOTH_LIMIT", 1000)  # the tiny layers' weights exceed it
+    monkeypatch.setattr(stacking, "AUTO_COPIES_LIMIT", 1000)  # the tiny layers' weight copies exceed it
     assert resolve_weight_layouts("auto", params, backend="cpu") == "one"
     with pytest.raises(ValueError, match="weight_layouts"):
         resolve_weight_layouts("transposed", params)
@@ -256,10 +270,10 @@ def test_engine_weight_layouts_generate_the_same():
     prompts = [[3, 5, 7, 11, 13], [17, 19, 23]]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = {}
-    for layouts in ("one", "both"):
+    for layouts in ("one", "all"):
         eng = Engine(model, EngineConfig(max_slots=2, max_model_len=32, prefill_chunk=4, weight_layouts=layouts,
                                          speculative=SpeculativeConfig("ngram", 2)))
-        assert any(isinstance(x, TwoLayoutWeight) for x in jax.tree.leaves(
-            eng.model.params, is_leaf=lambda x: isinstance(x, TwoLayoutWeight))) == (layouts == "both")
+        assert any(isinstance(x, LinearLayouts) for x in jax.tree.leaves(
+            eng.model.params, is_leaf=lambda x: isinstance(x, LinearLayouts))) == (layouts == "all")
         outs[layouts] = [o.token_ids for o in eng.generate(prompts, sp)]
-    assert outs["one"] == outs["both"]
+    assert outs["one"] == outs["all"]

@@ -198,9 +198,9 @@ def test_models_loaded_for_scan_are_run_as_they_are(model, tmp_path):
     assert len(stacked.params.layers) < model.config.n_layers or model.config.n_layers == 1
     eng = Engine(stacked, dataclasses.replace(CONFIG, layer_loop="scan", weight_layouts="one"))
     assert eng.model.params is stacked.params
-    # two weight layouts add the transposed copies only: the loaded arrays are kept as they are
-    both = Engine(stacked, dataclasses.replace(CONFIG, layer_loop="scan", weight_layouts="both")).model.params
-    assert both.embed is stacked.params.embed and both.layers[0].stacked.wq.nk is stacked.params.layers[0].stacked.wq
+    # more weight layouts add copies only: the loaded arrays are kept as they are
+    every = Engine(stacked, dataclasses.replace(CONFIG, layer_loop="scan", weight_layouts="all")).model.params
+    assert every.embed is stacked.params.embed and every.layers[0].stacked.wq.nk is stacked.params.layers[0].stacked.wq
     sp = SamplingParams(max_tokens=8)
     assert (eng.generate([[3, 4, 5]], sp)[0].token_ids
             == Engine(load_model(tmp_path / "m", layer_loop="unroll"), CONFIG).generate([[3, 4, 5]], sp)[0].token_ids)

@@ -51,11 +51,12 @@ class EngineConfig:
     # `lax.scan` per run of alike layers: compile time and program size independent of depth)
     # or "auto" (unroll on CPU, where unrolled layers decode faster; scan on GPU/TPU).
     layer_loop: str = "auto"
-    # Linear weights in one layout ("one": [out, in], as checkpoints store them) or "both"
-    # (also transposed, `jaxinfer.model.params.with_gemm_weights`: XLA:CPU's products of
-    # 2+ rows, i.e. batches, verify blocks and prefill chunks, then run 1.3-1.45x faster, for
-    # twice the dense layers' weight memory); "auto": "both" on one CPU device when those
-    # weights take at most 2 GiB, else "one" (`jaxinfer.model.stacking.resolve_weight_layouts`).
+    # Linear weights in one layout ("one": [out, in], as checkpoints store them) or "all"
+    # (also as column panels and transposed, `jaxinfer.model.params.with_gemm_weights`:
+    # XLA:CPU's products of 2+ rows, i.e. verify blocks, batches and prefill chunks, then
+    # skip re-laying the weight out every call, for three times the dense layers' weight
+    # memory); "auto": "all" on one CPU device when the two copies take at most 2 GiB, else
+    # "one" (`jaxinfer.model.stacking.resolve_weight_layouts`).
     weight_layouts: str = "auto"
     # Tokens the narrowest context bucket holds: the step's block tables are cut to the
     # smallest of these widths (x4 each, up to max_model_len) that fits every sequence.

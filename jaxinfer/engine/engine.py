@@ -118,7 +118,7 @@ class Engine:
         runs = (layer_runs(mc, config.kv_cache, (sc.self_layers,) if sc and sc.method == "self" else ())
                 if resolve_layer_loop(config.layer_loop) == "scan" else None)
         params = with_layer_runs(model.params, runs)
-        if resolve_weight_layouts(config.weight_layouts, params, config.mesh) == "both":
+        if resolve_weight_layouts(config.weight_layouts, params, config.mesh) == "all":
             params = with_gemm_weights(params)
         self.model = model = dataclasses.replace(model, params=params)
         max_chunk = max(config.prefill_chunk, 1 + (sc.num_speculative if sc else 0))

@@ -11,7 +11,8 @@ from flax import struct
 
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq  # re-exported: RoPE lives with attention
 
-__all__ = ["TwoLayoutWeight", "apply_rope", "geglu_mlp", "linear", "linears", "rms_norm", "rope_inv_freq", "swiglu_mlp"]
+__all__ = ["PANEL_MAX_ROWS", "PANEL_WIDTHS", "LinearLayouts", "apply_rope", "geglu_mlp", "linear", "linears", "panel_matmul", "panel_width",
+           "rms_norm", "rope_inv_freq", "swiglu_mlp", "to_panels"]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -21,38 +22,85 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
+PANEL_WIDTHS = (64, 32, 16, 8)  # output columns per panel, widest that divides N first
+PANEL_MAX_ROWS = 6  # more rows read `kn` faster (equal at 8, BENCHMARKS.md)
+
+
 @struct.dataclass
-class TwoLayoutWeight:
-    """A linear weight kept in both layouts, for XLA:CPU (`with_gemm_weights`): one-row products
-    read `nk` as a gemv at memory speed; products of 2+ rows multiply `kn` directly, where
-    from `nk` XLA:CPU's GEMM re-lays the weight out every call (M = 5: 1.45x, M = 16: 1.3x
-    faster this way on the CI machine). Twice the weight's memory."""
+class LinearLayouts:
+    """A linear weight kept in the three layouts XLA:CPU's products read fastest, chosen by
+    how many rows multiply it (`with_gemm_weights`; BENCHMARKS.md, "Matmul forms"):
 
-    nk: jax.Array  # [..., N, K]: the HF layout
-    kn: jax.Array  # [..., K, N]: the same weight transposed
+    - 1 row (a batch-1 decode step): `nk`, as a gemv at memory speed;
+    - 2 to `PANEL_MAX_ROWS` rows (verify blocks at batch 1): `panels`, the weight cut into
+      column panels of P outputs each laid out [K, P], as one matmul batched over panels;
+    - more rows (batches, prefill chunks): `kn`.
+
+    From `nk`, XLA:CPU's GEMM re-lays the weight out on every call; each other layout it reads
+    as it is, and which is faster depends on the rows (SmolLM2's 30 layers in a chain, ms:
+    3 rows 27 over `kn`, 16 over `panels`; 16 rows 35 over `kn`, 45 over `panels`).
+    Three times the weight's memory."""
+
+    nk: jax.Array             # [..., N, K]: the HF layout
+    panels: jax.Array | None  # [..., N // P, K, P]: panels[..., j, :, c] = nk[..., j * P + c, :]; None if no P divides N
+    kn: jax.Array             # [..., K, N]: nk transposed
+
+    @classmethod
+    def of(cls, w: jax.Array, panel_widths: tuple[int, ...] = PANEL_WIDTHS) -> LinearLayouts:
+        """w: [..., N, K] in all three layouts (`w` itself is `nk`)."""
+        panels = to_panels(w, panel_widths) if panel_width(w.shape[-2], panel_widths) else None
+        return cls(nk=w, panels=panels, kn=jnp.swapaxes(w, -1, -2))
 
 
-def linear(x: jax.Array, w: jax.Array | TwoLayoutWeight, b: jax.Array | None = None, *,
+def panel_width(n: int, widths: tuple[int, ...] = PANEL_WIDTHS) -> int | None:
+    """The panel width `to_panels` uses for N outputs: the first of `widths` that divides N."""
+    return next((p for p in widths if n % p == 0), None)
+
+
+def to_panels(w: jax.Array, widths: tuple[int, ...] = PANEL_WIDTHS) -> jax.Array:
+    """[..., N, K] -> [..., N // P, K, P] with P = `panel_width(N, widths)`."""
+    *lead, n, k = w.shape
+    p = panel_width(n, widths)
+    if p is None:
+        raise ValueError(f"no panel width in {widths} divides {n} outputs")
+    return jnp.swapaxes(w.reshape(*lead, n // p, p, k), -1, -2)
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array, preferred_element_type=None) -> jax.Array:
+    """x: [..., K], panels: [N // P, K, P] (`to_panels`) -> [..., N]: a matmul batched over
+    panels (x is broadcast to each; that copy is small while N // P is, as for layer weights)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    nb, _, p = panels.shape
+    rows = x.reshape(1, -1, k)
+    y = jax.lax.dot_general(jnp.broadcast_to(rows, (nb, *rows.shape[1:])), panels, (((2,), (1,)), ((0,), (0,))),
+                            preferred_element_type=preferred_element_type)  # [N // P, rows, P]
+    return jnp.swapaxes(y, 0, 1).reshape(*lead, nb * p)
+
+
+def linear(x: jax.Array, w: jax.Array | LinearLayouts, b: jax.Array | None = None, *,
            preferred_element_type=None) -> jax.Array:
     """x: [..., K], w: [N, K] (HF layout) -> [..., N].
 
     A single row (a batch-1 decode step) is written `x @ w.T`: XLA:CPU fuses that transpose
     into its multi-threaded gemv, which reads w at memory speed, where the einsum (or a
     dot_general contracting w's last axis) becomes a plain dot thunk 20-30 % slower
-    (BENCHMARKS.md, "Decode at the hardware limit"). More rows use `TwoLayoutWeight.kn` when
-    the weight carries it."""
+    (BENCHMARKS.md, "Decode at the hardware limit"). More rows read the layout that suits
+    them when the weight carries several (`LinearLayouts`)."""
     rows = math.prod(x.shape[:-1])
-    if rows > 1 and isinstance(w, TwoLayoutWeight):
-        y = jnp.matmul(x, w.kn, preferred_element_type=preferred_element_type)
+    if rows > 1 and isinstance(w, LinearLayouts):
+        if rows <= PANEL_MAX_ROWS and w.panels is not None:
+            y = panel_matmul(x, w.panels, preferred_element_type)
+        else:
+            y = jnp.matmul(x, w.kn, preferred_element_type=preferred_element_type)
     elif rows == 1:
-        w = w.nk if isinstance(w, TwoLayoutWeight) else w
+        w = w.nk if isinstance(w, LinearLayouts) else w
         y = jnp.matmul(x.reshape(1, -1), w.T, preferred_element_type=preferred_element_type).reshape(*x.shape[:-1], -1)
     else:
         y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
     return y if b is None else y + b
 
 
-def linears(x: jax.Array, ws: tuple[jax.Array | TwoLayoutWeight, ...],
+def linears(x: jax.Array, ws: tuple[jax.Array | LinearLayouts, ...],
             bs: tuple[jax.Array | None, ...] | None = None) -> list[jax.Array]:
     """[linear(x, w, b) for w, b in zip(ws, bs)]. For a single row, one gemv (and one bias add) over
     the weights concatenated inside the program: XLA:CPU fuses the concatenation into the
@@ -61,7 +109,7 @@ def linears(x: jax.Array, ws: tuple[jax.Array | TwoLayoutWeight, ...],
     bs = bs or (None,) * len(ws)
     if math.prod(x.shape[:-1]) != 1:
         return [linear(x, w, b) for w, b in zip(ws, bs)]
-    ws = [w.nk if isinstance(w, TwoLayoutWeight) else w for w in ws]
+    ws = [w.nk if isinstance(w, LinearLayouts) else w for w in ws]
     b = None if all(b is None for b in bs) else jnp.concatenate(
         [jnp.zeros(w.shape[0], w.dtype) if b is None else b for w, b in zip(ws, bs)])
     y = linear(x, jnp.concatenate(ws), b)

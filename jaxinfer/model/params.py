@@ -17,7 +17,7 @@ from flax import struct
 
 from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.layers import TwoLayoutWeight
+from jaxinfer.model.layers import LinearLayouts
 
 
 @struct.dataclass
@@ -212,20 +212,34 @@ def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02,
 
 
 GEMM_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the dense layers' linear weights
+# The LM head's panels are wider: its [N // P, rows, K] broadcast of the input stays small.
+LM_HEAD_PANEL_WIDTHS = (1024, 512, 256, 128, 64, 32, 16, 8)
+
+
+def gemm_weights(layer) -> dict[str, jax.Array]:
+    """A dense layer's linear weights by name (`GEMM_WEIGHTS`; none for MLA layers and experts)."""
+    if not isinstance(layer, LayerParams):
+        return {}
+    return {name: w for name in GEMM_WEIGHTS if isinstance(w := getattr(layer, name), jax.Array)}
+
+
+def lm_head_weight(params: ModelParams) -> jax.Array:
+    """[vocab_size, d_model]: the LM head's weight (the embedding when tied) in the checkpoint's layout."""
+    w = params.embed if params.lm_head is None else params.lm_head
+    return w.nk if isinstance(w, LinearLayouts) else w
 
 
 def with_gemm_weights(params: ModelParams) -> ModelParams:
-    """`params` with each dense layer's linear weights also stored transposed
-    (`jaxinfer.model.layers.TwoLayoutWeight`): XLA:CPU's multi-row products (verify blocks,
-    batches, prefill chunks) then skip re-laying the weight out every call. Copies those
-    weights once; MLA layers, experts, embedding and LM head are left as they are."""
+    """`params` with each dense layer's linear weights and the LM head also stored in the
+    layouts XLA:CPU's multi-row products (verify blocks, batches, prefill chunks) read without
+    re-laying the weight out every call (`jaxinfer.model.layers.LinearLayouts`). Copies those
+    weights twice (a tied LM head keeps the embedding as its `nk`); MLA layers, experts and the
+    embedding are left as they are."""
 
-    def both(layer):
-        if not isinstance(layer, LayerParams):
-            return layer
-        return layer.replace(**{name: TwoLayoutWeight(w, jnp.swapaxes(w, -1, -2)) for name in GEMM_WEIGHTS
-                                if isinstance(w := getattr(layer, name), jax.Array)})
+    def all_layouts(layer):
+        return layer.replace(**{name: LinearLayouts.of(w) for name, w in gemm_weights(layer).items()}) \
+            if isinstance(layer, LayerParams) else layer
 
-    layers = tuple(layer_stack.LayerStack(both(x.stacked)) if isinstance(x, layer_stack.LayerStack) else both(x)
+    layers = tuple(layer_stack.LayerStack(all_layouts(x.stacked)) if isinstance(x, layer_stack.LayerStack) else all_layouts(x)
                    for x in params.layers)
-    return params.replace(layers=layers)
+    return params.replace(layers=layers, lm_head=LinearLayouts.of(lm_head_weight(params), LM_HEAD_PANEL_WIDTHS))

@@ -20,11 +20,11 @@ import jax
 from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.plan import KVCacheArg, resolve_kv_cache
-from jaxinfer.model.params import GEMM_WEIGHTS, LayerParams, MLALayerParams, ModelParams
+from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams, gemm_weights, lm_head_weight
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
-WEIGHT_LAYOUTS = ("auto", "one", "both")
-AUTO_BOTH_LIMIT = 2 * 2**30  # bytes of dense-layer weights "auto" doubles at most
+WEIGHT_LAYOUTS = ("auto", "one", "all")
+AUTO_COPIES_LIMIT = 2 * 2**30  # bytes of weight copies "auto" adds at most
 
 
 def resolve_layer_loop(layer_loop: str, backend: str | None = None) -> str:
@@ -38,18 +38,18 @@ def resolve_layer_loop(layer_loop: str, backend: str | None = None) -> str:
 
 
 def resolve_weight_layouts(weight_layouts: str, params, mesh=None, backend: str | None = None) -> str:
-    """"auto" -> "both" (`jaxinfer.model.params.with_gemm_weights`) on one XLA:CPU device when
-    the dense layers' weights take at most 2 GiB, whose copy is the price; "one" otherwise
-    (GPU/TPU GEMMs read either layout at full speed)."""
+    """"auto" -> "all" (`jaxinfer.model.params.with_gemm_weights`) on one XLA:CPU device when
+    the two extra copies of the dense layers' weights and the LM head take at most 2 GiB; "one" otherwise
+    (GPU/TPU GEMMs read the checkpoint's layout at full speed)."""
     if weight_layouts not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layouts={weight_layouts!r} must be one of {WEIGHT_LAYOUTS}")
     if weight_layouts != "auto":
         return weight_layouts
     if mesh is not None or (backend or jax.default_backend()) != "cpu":
         return "one"
-    dense = sum(getattr(x, name).nbytes for x in jax.tree.leaves(params.layers, is_leaf=_is_layer)
-                for name in GEMM_WEIGHTS if isinstance(getattr(x, name, None), jax.Array))
-    return "both" if dense <= AUTO_BOTH_LIMIT else "one"
+    copied = lm_head_weight(params).nbytes + sum(
+        w.nbytes for x in jax.tree.leaves(params.layers, is_leaf=_is_layer) for w in gemm_weights(x).values())
+    return "all" if 2 * copied <= AUTO_COPIES_LIMIT else "one"
 
 
 def _is_layer(x) -> bool:

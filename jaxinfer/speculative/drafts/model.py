@@ -26,7 +26,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.layer_stack import slice_layers, unstack
 from jaxinfer.loading import Model
-from jaxinfer.model.params import ModelParams
+from jaxinfer.model.params import ModelParams, lm_head_weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class DraftModel:
         the full head's logit of token vocab_ids[i]. The embedding stays whole (any token
         can be an input)."""
         ids = np.asarray(vocab_ids, np.int32)
-        head = params.embed if params.lm_head is None else params.lm_head  # [V, D]
+        head = lm_head_weight(params)  # [V, D]
         if head.shape[0] != config.vocab_size:
             raise ValueError(f"params' head has {head.shape[0]} rows, not the vocabulary's {config.vocab_size}: "
                              "with_vocab_subset cuts a full-vocabulary head")

@@ -30,7 +30,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.layer_stack import slice_layers, unstack
 from jaxinfer.loading import Model
 from jaxinfer.model.layers import linear, rms_norm
-from jaxinfer.model.params import LayerParams
+from jaxinfer.model.params import LayerParams, lm_head_weight
 
 
 @struct.dataclass
@@ -96,7 +96,7 @@ def bind_head(target: Model, params: EagleParams, vocab_ids: np.ndarray, name: s
         raise ValueError(f"vocab_ids must be distinct token ids in [0, {tc.vocab_size})")
     if tc.mla is not None:
         raise ValueError("an EAGLE head for an MLA target is not supported")
-    head = tp.embed if tp.lm_head is None else tp.lm_head
+    head = lm_head_weight(tp)
     dtype = tc.jnp_dtype
     return EagleHead(config=head_config(tc), params=jax.tree.map(lambda a: jnp.asarray(a, dtype), params),
                      vocab_ids=ids, embed=tp.embed, lm_head=jnp.asarray(head[ids]), name=name)

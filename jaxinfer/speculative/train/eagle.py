@@ -31,6 +31,7 @@ import optax
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading import Model
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
+from jaxinfer.model.params import lm_head_weight
 from jaxinfer.speculative.eagle.head import EagleParams, head_inputs, init_eagle_params
 from jaxinfer.speculative.train.data import (Log, DistillData, frequency_ranked_vocab, generate_sequences,
                                              held_out_split, pad_sequences, subset_coverage, subset_targets)
@@ -86,7 +87,7 @@ def teacher_features(target: Model, sequences: Sequence[np.ndarray], prompt_leng
 
     @jax.jit
     def teach(params, batch):  # i32[B, T]; params an argument: a closed-over head would be folded as a constant
-        head = params.embed if params.lm_head is None else params.lm_head  # [V, D]
+        head = lm_head_weight(params)  # [V, D]
         f = dense_features(params, c, batch)  # [B, T, D]
         logits = jnp.einsum("btd,vd->btv", rms_norm(f, params.final_norm, c.rms_eps), head,
                             preferred_element_type=jnp.float32)
@@ -228,7 +229,7 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
 
     c, tp = target.config, target.params
     embed = tp.embed
-    lm_head = jnp.asarray((tp.embed if tp.lm_head is None else tp.lm_head)[vocab_ids])
+    lm_head = jnp.asarray(lm_head_weight(tp)[vocab_ids])
     vocab = jnp.asarray(vocab_ids)
     n = len(train_rows)
     batch_size, steps_per_epoch, optimizer = training_schedule(cfg, n)
