@@ -89,7 +89,7 @@ class Hlo:
         if "lm_head" in self.stack.get(name, ()) or (
                 any("params_embed" in op for op in operands) and self.bytes[name] >= self.vocab_row_bytes):
             return "lm_head"
-        weight = next((w for op in operands for w in WEIGHTS if re.search(rf"__{w}(_nk|_panels)?\b", op)), None)
+        weight = next((w for op in operands for w in WEIGHTS if re.search(rf"__{w}(_nk|_panels|_kn)?\b", op)), None)
         if weight is not None:
             return f"matmul {weight}"
         if any("params_embed" in op for op in operands):

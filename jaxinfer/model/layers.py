@@ -46,29 +46,30 @@ class LinearLayouts:
     kn: jax.Array             # [..., K, N]: nk transposed
 
     @classmethod
-    def of(cls, w: jax.Array, panel_widths: tuple[int, ...] = PANEL_WIDTHS) -> LinearLayouts:
+    def of(cls, w: jax.Array) -> LinearLayouts:
         """w: [..., N, K] in all three layouts (`w` itself is `nk`)."""
-        panels = to_panels(w, panel_widths) if panel_width(w.shape[-2], panel_widths) else None
+        panels = to_panels(w) if panel_width(w.shape[-2]) else None
         return cls(nk=w, panels=panels, kn=jnp.swapaxes(w, -1, -2))
 
 
-def panel_width(n: int, widths: tuple[int, ...] = PANEL_WIDTHS) -> int | None:
-    """The panel width `to_panels` uses for N outputs: the first of `widths` that divides N."""
-    return next((p for p in widths if n % p == 0), None)
+def panel_width(n: int) -> int | None:
+    """The panel width `to_panels` uses for N outputs: the first of `PANEL_WIDTHS` that divides N."""
+    return next((p for p in PANEL_WIDTHS if n % p == 0), None)
 
 
-def to_panels(w: jax.Array, widths: tuple[int, ...] = PANEL_WIDTHS) -> jax.Array:
-    """[..., N, K] -> [..., N // P, K, P] with P = `panel_width(N, widths)`."""
+def to_panels(w: jax.Array) -> jax.Array:
+    """[..., N, K] -> [..., N // P, K, P] with P = `panel_width(N)`."""
     *lead, n, k = w.shape
-    p = panel_width(n, widths)
+    p = panel_width(n)
     if p is None:
-        raise ValueError(f"no panel width in {widths} divides {n} outputs")
+        raise ValueError(f"no panel width in {PANEL_WIDTHS} divides {n} outputs")
     return jnp.swapaxes(w.reshape(*lead, n // p, p, k), -1, -2)
 
 
 def panel_matmul(x: jax.Array, panels: jax.Array, preferred_element_type=None) -> jax.Array:
     """x: [..., K], panels: [N // P, K, P] (`to_panels`) -> [..., N]: a matmul batched over
-    panels (x is broadcast to each; that copy is small while N // P is, as for layer weights)."""
+    panels, x broadcast to each (a copy of N // P x rows x K: 8.8 MB for SmolLM2's LM head at
+    5 rows, which is why more rows read `LinearLayouts.kn`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     nb, _, p = panels.shape
     rows = x.reshape(1, -1, k)

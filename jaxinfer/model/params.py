@@ -212,8 +212,6 @@ def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02,
 
 
 GEMM_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the dense layers' linear weights
-# The LM head's panels are wider: its [N // P, rows, K] broadcast of the input stays small.
-LM_HEAD_PANEL_WIDTHS = (1024, 512, 256, 128, 64, 32, 16, 8)
 
 
 def gemm_weights(layer) -> dict[str, jax.Array]:
@@ -242,4 +240,4 @@ def with_gemm_weights(params: ModelParams) -> ModelParams:
 
     layers = tuple(layer_stack.LayerStack(all_layouts(x.stacked)) if isinstance(x, layer_stack.LayerStack) else all_layouts(x)
                    for x in params.layers)
-    return params.replace(layers=layers, lm_head=LinearLayouts.of(lm_head_weight(params), LM_HEAD_PANEL_WIDTHS))
+    return params.replace(layers=layers, lm_head=LinearLayouts.of(lm_head_weight(params)))
