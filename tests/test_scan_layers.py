@@ -25,7 +25,7 @@ from jaxinfer.loading import Model
 from jaxinfer.model import forward, init_random_params
 from jaxinfer.model import stacking
 from jaxinfer.model.layers import PANEL_MAX_ROWS, LinearLayouts, linear, linears, panel_width, to_panels
-from jaxinfer.model.params import with_gemm_weights
+from jaxinfer.model.params import with_gemm_weights, without_gemm_weights
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.sampling import SamplingParams
 
@@ -248,6 +248,27 @@ def test_panels_hold_the_weight(n):
         np.testing.assert_array_equal(panels[:, j, :, c], w[:, j * p + c, :])
     with pytest.raises(ValueError, match="panel width"):
         to_panels(jnp.zeros((12, 5)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_engine_params_save_as_the_checkpoint(tmp_path, tied):
+    """An engine's params in all layouts (a tied LM head too) save as the plain checkpoint."""
+    from jaxinfer.checkpoint import load_orbax, save_orbax
+
+    config, params = tiny_model(n_layers=2, tie_embeddings=tied)
+    assert (params.lm_head is None) == tied
+    eng = Engine(Model(config=config, params=params, tokenizer=None), EngineConfig(max_slots=1, max_model_len=16,
+                                                                                   weight_layouts="all"))
+    assert isinstance(eng.model.params.lm_head, LinearLayouts)
+    plain = without_gemm_weights(eng.model.params)
+    assert jax.tree.structure(plain) == jax.tree.structure(params)
+    for got, want in zip(jax.tree.leaves(plain), jax.tree.leaves(params)):
+        assert got is want
+    save_orbax(config, eng.model.params, tmp_path / "m")
+    _, loaded = load_orbax(tmp_path / "m")
+    assert (loaded.lm_head is None) == tied
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_weight_layouts_option(monkeypatch):

@@ -23,7 +23,7 @@ import jax
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.params import ModelParams, expected_shapes, layer_class
+from jaxinfer.model.params import ModelParams, expected_shapes, layer_class, without_gemm_weights
 from jaxinfer.model.stacking import with_layer_runs
 from jaxinfer.tokenizer import Tokenizer
 
@@ -64,10 +64,12 @@ def save_orbax(
     and friends), an HF directory (its tokenizer files are copied) or a `Tokenizer`.
     `path` must not exist or be empty, unless `overwrite` and it holds a jaxinfer
     checkpoint. Returns the absolute path. Stacked layers (`jaxinfer.layer_stack`) are stored
-    per layer, so a checkpoint does not depend on the layout it was saved from.
+    per layer and weights in the checkpoint's layout only (an engine's extra layouts,
+    `with_gemm_weights`, are dropped), so a checkpoint does not depend on the layout it was
+    saved from.
     """
     path = Path(path).absolute()
-    params = with_layer_runs(params, None)
+    params = with_layer_runs(without_gemm_weights(params), None)
     _check_params_match(config, params)
     _prepare_dir(path, overwrite)
     import orbax.checkpoint as ocp  # ~0.3 s to import: only saving and restoring pay it

@@ -3,12 +3,15 @@
 Linear weights are stored `[out_features, in_features]` (the HF/GGUF row layout); the
 forward multiplies `x @ w.T`. On XLA:CPU this [N, K] layout is the faster one for one-row
 gemvs, and it means loaders copy tensors without transposing; an engine on CPU also keeps
-the dense layers' weights transposed for its multi-row GEMMs (`with_gemm_weights`).
+the dense layers' weights and the LM head in two more layouts for its multi-row products
+(`with_gemm_weights`, `jaxinfer.model.layers.LinearLayouts`).
 Layers are a tuple with one pytree per layer, or (the stacked layout, `jaxinfer.layer_stack`)
 one per run of alike layers with a leading layer axis, which the forward scans over.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -235,9 +238,23 @@ def with_gemm_weights(params: ModelParams) -> ModelParams:
     embedding are left as they are."""
 
     def all_layouts(layer):
-        return layer.replace(**{name: LinearLayouts.of(w) for name, w in gemm_weights(layer).items()}) \
-            if isinstance(layer, LayerParams) else layer
+        return layer.replace(**{name: LinearLayouts.of(w) for name, w in gemm_weights(layer).items()})
 
-    layers = tuple(layer_stack.LayerStack(all_layouts(x.stacked)) if isinstance(x, layer_stack.LayerStack) else all_layouts(x)
-                   for x in params.layers)
-    return params.replace(layers=layers, lm_head=LinearLayouts.of(lm_head_weight(params)))
+    return params.replace(layers=_map_layers(all_layouts, params.layers), lm_head=LinearLayouts.of(lm_head_weight(params)))
+
+
+def without_gemm_weights(params: ModelParams) -> ModelParams:
+    """`params` in the checkpoint's layout only: `with_gemm_weights` undone (a tied LM head
+    is None again), e.g. to save an engine's params."""
+
+    def one_layout(layer):
+        return layer.replace(**{f.name: w.nk for f in dataclasses.fields(layer)
+                                if isinstance(w := getattr(layer, f.name), LinearLayouts)})
+
+    head = params.lm_head.nk if isinstance(params.lm_head, LinearLayouts) else params.lm_head
+    return params.replace(layers=_map_layers(one_layout, params.layers), lm_head=None if head is params.embed else head)
+
+
+def _map_layers(fn, layers: tuple) -> tuple:
+    """fn applied to each layer's params, a stacked run's as one."""
+    return tuple(layer_stack.LayerStack(fn(x.stacked)) if isinstance(x, layer_stack.LayerStack) else fn(x) for x in layers)
