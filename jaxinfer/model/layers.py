@@ -69,7 +69,8 @@ def to_panels(w: jax.Array) -> jax.Array:
 def panel_matmul(x: jax.Array, panels: jax.Array, preferred_element_type=None) -> jax.Array:
     """x: [..., K], panels: [N // P, K, P] (`to_panels`) -> [..., N]: a matmul batched over
     panels, x broadcast to each (a copy of N // P x rows x K: 8.8 MB for SmolLM2's LM head at
-    5 rows, which is why more rows read `LinearLayouts.kn`)."""
+    5 rows; from ~8 rows `LinearLayouts.kn` is faster anyway, so `linear` stops here at
+    `PANEL_MAX_ROWS`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     nb, _, p = panels.shape
     rows = x.reshape(1, -1, k)
