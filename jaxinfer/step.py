@@ -97,8 +97,8 @@ def bucket_view(kv: PagedKVState, batch: StepBatch) -> PagedKVState:
 
 def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array) -> StepOutput:
     """Sample the next token of every decode row (`logits[0]`: f32[B, V]) and prefill row
-    (`logits[1]`: f32[P, V]) in one pass over the B + P rows: one sort in the program
-    instead of two (most of its compile time beside the layers). A prefill row is keyed
+    (`logits[1]`: f32[P, V]) in one pass over the B + P rows: one filtering program instead
+    of two (most of the step's compile time beside the layers). A prefill row is keyed
     like a decode token of its slot."""
     b = logits[0].shape[0]
     rows, sampling, positions = logits[0], batch.sampling, new_lengths

@@ -162,3 +162,27 @@ def test_engine_with_ngram_speculation_and_the_server(ours, hf):
         assert r["choices"][0]["finish_reason"] == want.finish_reason
     finally:
         srv.stop()
+
+
+def test_engine_with_prefix_caching_and_int8_kv(ours, hf):
+    """Two requests sharing a 40-token prefix give transformers' greedy tokens with prefix
+    caching (the second request's global layers read the first's pages, its windowed rings are
+    recomputed), and an int8 KV cache keeps the greedy continuation of a plain prompt."""
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    config = EngineConfig(max_slots=2, page_size=16, prefill_chunk=32, max_model_len=96, enable_prefix_caching=True)
+    prefix = ours.tokenizer.encode(PROMPTS[2] + " convert light energy into chemical energy. In this process,")
+    prompts = [prefix + ours.tokenizer.encode(tail, add_special_tokens=False) for tail in (" water", " carbon")]
+    assert len(prefix) >= 16  # at least one full page to share
+    eng = Engine(ours, config)
+    first = eng.generate(prompts[:1], greedy)[0]
+    second = eng.generate(prompts[1:], greedy)[0]
+    assert eng.metrics().prefix_hits > 0
+    assert first.token_ids == hf_greedy(hf, prompts[0], 8)
+    assert second.token_ids == hf_greedy(hf, prompts[1], 8)
+
+    ids = ours.tokenizer.encode(PROMPTS[0])
+    int8 = Engine(ours, EngineConfig(max_slots=1, page_size=16, prefill_chunk=32, max_model_len=64, kv_cache="int8"))
+    assert int8.generate([ids], greedy)[0].token_ids == hf_greedy(hf, ids, 8)

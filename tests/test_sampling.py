@@ -127,9 +127,10 @@ def test_filters_never_allow_a_token_outside_the_allowed_set(seed, top_k, top_p,
     assert set(np.asarray(draws).tolist()) <= want
 
 
-def test_partial_top_k_equals_the_sorted_path():
-    """Top-k up to FAST_TOP_K cuts with a partial top-k, larger ones and top-p sort the row,
-    min-p needs neither: each row keeps the same tokens whichever path its batch takes."""
+def test_partial_top_k_equals_the_threshold_search():
+    """Top-k up to FAST_TOP_K cuts with a partial top-k, larger ones and top-p search the row
+    for their threshold, min-p needs neither: each row keeps the same tokens whichever path
+    its batch takes."""
     logits = jnp.asarray(np.random.default_rng(5).standard_normal((1, 1000)) * 3, jnp.float32)
     rows = [SamplingParams(top_k=7), SamplingParams(top_k=FAST_TOP_K), SamplingParams(min_p=0.05),
             SamplingParams(top_k=7, min_p=0.05)]
@@ -141,17 +142,17 @@ def test_partial_top_k_equals_the_sorted_path():
         if p.min_p:
             want &= np.exp(np.asarray(logits[0]) - np.asarray(logits[0]).max()) >= p.min_p
         np.testing.assert_array_equal(np.isfinite(row), want)
-    sorted_batch = rows + [SamplingParams(top_k=FAST_TOP_K + 1), SamplingParams(top_p=0.9)]  # these two sort the batch
-    together = np.asarray(filter_logits(jnp.repeat(logits, len(sorted_batch), axis=0),
-                                        SamplingArrays.from_params(sorted_batch, [0] * len(sorted_batch))))
+    searched = rows + [SamplingParams(top_k=FAST_TOP_K + 1), SamplingParams(top_p=0.9)]  # these two: the search
+    together = np.asarray(filter_logits(jnp.repeat(logits, len(searched), axis=0),
+                                        SamplingArrays.from_params(searched, [0] * len(searched))))
     for row, got in zip(alone, together):
         np.testing.assert_array_equal(got, row)
     assert np.isfinite(together[4]).sum() == FAST_TOP_K + 1
 
 
-def test_temperature_only_batches_skip_the_sort_and_agree_with_it():
-    """A batch where no row filters returns logits / T (no sort); the same row in a batch
-    that also filters goes through the sorted path and comes out identical."""
+def test_temperature_only_batches_skip_the_filters_and_agree_with_them():
+    """A batch where no row filters returns logits / T (no top-k, no search); the same row
+    in a batch that also filters goes through the filtering path and comes out identical."""
     logits = jnp.asarray(np.random.default_rng(3).permutation(np.linspace(-4, 4, 16))[None], jnp.float32)
     plain = np.asarray(filter_logits(logits, arrays(1, temperature=0.7)))[0]
     np.testing.assert_array_equal(plain, np.asarray(logits[0]) / np.float32(0.7))
@@ -251,3 +252,55 @@ def test_an_unfiltered_row_keeps_its_tail_next_to_a_top_p_row():
     s = SamplingArrays.from_params([SamplingParams(), SamplingParams(top_p=0.5)], [0, 0])
     both = np.asarray(filter_logits(jnp.concatenate([row, row]), s))
     assert np.isfinite(both[0]).all() and np.isfinite(both[1]).sum() == 1
+
+
+def test_top_p_and_large_top_k_over_a_wide_row_with_ties_match_a_float64_sort():
+    """The threshold search against a sort in float64 over a 262,144-wide row (Gemma 3's
+    vocabulary) of negative, positive, repeated and -inf logits: top-p keeps the most likely
+    tokens until their mass reaches p, and every token tied with the last one kept; top-k
+    keeps the k largest and their ties."""
+    rng = np.random.default_rng(11)
+    vocab = 262_144
+    x = np.round(rng.standard_normal(vocab) * 4, 1).astype(np.float32)  # ~80 distinct values: many ties
+    x[rng.integers(0, vocab, 1000)] = -np.inf
+    x[:3] = [9.0, 8.5, 8.5]
+    rows = [SamplingParams(top_p=0.3), SamplingParams(top_p=0.95), SamplingParams(top_k=5000),
+            SamplingParams(top_k=5000, top_p=0.5), SamplingParams(top_p=1e-6), SamplingParams()]
+    got = np.isfinite(np.asarray(jax.jit(filter_logits)(jnp.asarray(np.tile(x, (len(rows), 1))),
+                                                         SamplingArrays.from_params(rows, [0] * len(rows)))))
+    x64 = x.astype(np.float64)
+    for row, p in zip(got, rows):
+        keep = np.isfinite(x64)
+        if p.top_k:
+            keep &= x64 >= np.sort(x64)[-p.top_k]
+        if p.top_p < 1:
+            desc = np.sort(np.where(keep, x64, -np.inf))[::-1]
+            probs = np.exp(desc - desc[0])
+            probs /= probs.sum()
+            last = np.searchsorted(np.cumsum(probs), p.top_p)  # the first index whose mass reaches p
+            keep &= x64 >= desc[last]
+        np.testing.assert_array_equal(row, keep)
+    assert got[4].sum() == 1 and got[-1].sum() == vocab - np.isinf(x).sum()
+
+
+def test_threshold_search_is_exact_to_the_last_bit():
+    """Logits one float32 step apart, positive and negative, with -0.0 and 0.0: a large top-k
+    keeps exactly k tokens and top-p exactly the tokens a float64 sort keeps; a goal the row
+    cannot reach (float rounding near top_p = 1) keeps every token. (Subnormals are left out:
+    XLA:CPU flushes them to zero.)"""
+    from jaxinfer.sampling import _largest_reaching
+
+    def run(start):  # 600 consecutive float32 values downwards from `start`
+        return np.float32(start) - np.arange(600, dtype=np.float32) * np.spacing(np.float32(start))
+
+    x = np.concatenate([run(9.0), run(-1.0), [-0.0, 0.0]]).astype(np.float32)
+    rows = [SamplingParams(top_k=FAST_TOP_K + 44), SamplingParams(top_k=700), SamplingParams(top_p=0.37)]
+    got = np.isfinite(np.asarray(filter_logits(jnp.asarray(np.tile(x, (3, 1))),
+                                               SamplingArrays.from_params(rows, [0, 0, 0]))))
+    assert got[0].sum() == FAST_TOP_K + 44 and got[0][:FAST_TOP_K + 44].all()
+    np.testing.assert_array_equal(got[1], x >= np.sort(x)[-700])
+    desc = np.sort(x.astype(np.float64))[::-1]
+    probs = np.exp(desc - desc[0]) / np.exp(desc - desc[0]).sum()
+    np.testing.assert_array_equal(got[2], x >= desc[np.searchsorted(np.cumsum(probs), 0.37)])
+    short = _largest_reaching(jnp.asarray(x[None]), jnp.ones((1, x.size)), jnp.asarray([x.size + 1.0]))
+    assert float(short[0, 0]) == x.min()
