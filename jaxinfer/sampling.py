@@ -171,13 +171,18 @@ def _top_k_top_p_threshold(x: jax.Array, s: SamplingArrays) -> jax.Array:
     Top-k's cut is the largest logit t with at least k logits >= t (the k-th largest); top-p's
     is the largest t whose tokens >= t hold at least `top_p` of the mass left by top-k: the
     last token a descending cumulative sum would keep. Both are found by `_largest_reaching`
-    (32 masked sums over the row) instead of a sort: on XLA:CPU sorting one 49,152-wide row
+    (32 masked sums over the row; top-k by `_top_k_threshold` when no k exceeds FAST_TOP_K)
+    instead of a sort: on XLA:CPU sorting one 49,152-wide row
     costs ~15 ms, and a 262k-wide one (Gemma 3) far more.
     """
     vocab = x.shape[-1]
     on_k = (s.top_k > 0) & (s.top_k < vocab)
-    kth = _largest_reaching(x, jnp.ones_like(x), jnp.where(on_k, s.top_k, 1).astype(jnp.float32))
-    kth = jnp.where(on_k[:, None], kth, NEG_INF)
+
+    def search_k(x, s):  # some row keeps more than FAST_TOP_K tokens
+        kth = _largest_reaching(x, jnp.ones_like(x), jnp.where(on_k, s.top_k, 1).astype(jnp.float32))
+        return jnp.where(on_k[:, None], kth, NEG_INF)
+
+    kth = jax.lax.cond(jnp.any(on_k & (s.top_k > FAST_TOP_K)), search_k, _top_k_threshold, x, s)
     probs = jax.nn.softmax(jnp.where(x >= kth, x, NEG_INF), axis=-1)
     pth = _largest_reaching(x, probs, s.top_p)
     # top_p = 1 keeps every token: in float32 a row's mass may sum to just under 1.0
