@@ -14,6 +14,10 @@ batch-1 decode step does), and the f32 matmul peak as XLA's [1024, 1024] x [1024
 
 (KV read per token at the mean context of the run, prompt + new tokens / 2.)
 
+One request on a default-sized engine (8 slots) is also timed, with its decode rows cut to
+the request (`EngineConfig.decode_row_buckets`, the default) and with all 8 rows every step
+(as before row buckets): `lone_on_8_slots_over_1_slot` is its tok/s over the 1-slot engine's.
+
     python benchmarks/decode.py [--new-tokens 64] [--repeats 3]
 """
 
@@ -49,14 +53,19 @@ def best_of(repeats: int, fn) -> float:
     return min(fn() for _ in range(repeats))
 
 
-def bench_jaxinfer(model, ids: list[list[int]], new_tokens: int, repeats: int) -> float:
+def bench_jaxinfer(model, ids: list[list[int]], new_tokens: int, repeats: int, slots: int | None = None,
+                   full_rows: bool = False) -> float:
+    """`slots`: the engine's max_slots (default: one per prompt); `full_rows`: decode all of
+    them every step."""
     from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.sampling import SamplingParams
 
     b = len(ids)
+    slots = slots or b
     # Every prompt prefills in one step (b rows of one chunk), then decode-only steps follow.
-    engine = Engine(model, EngineConfig(max_slots=b, max_model_len=len(ids[0]) + new_tokens, prefill_chunk=len(ids[0]),
-                                        max_prefill_rows=b, enable_prefix_caching=False))
+    engine = Engine(model, EngineConfig(max_slots=slots, max_model_len=len(ids[0]) + new_tokens,
+                                        prefill_chunk=len(ids[0]), max_prefill_rows=b, enable_prefix_caching=False,
+                                        decode_row_buckets=(slots,) if full_rows else None))
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -164,7 +173,8 @@ def run_system(system: str, batch: int, args: argparse.Namespace) -> float:
         return bench_hf(load_hf(gguf), ids, args.new_tokens, args.repeats)
     from jaxinfer.loading import load_model
 
-    return bench_jaxinfer(load_model(gguf), ids, args.new_tokens, args.repeats)
+    slots = {"jaxinfer": None, "jaxinfer_8_slots": 8, "jaxinfer_8_slots_full_rows": 8}[system]
+    return bench_jaxinfer(load_model(gguf), ids, args.new_tokens, args.repeats, slots, system.endswith("full_rows"))
 
 
 def in_subprocess(system: str, batch: int, args: argparse.Namespace) -> float:
@@ -198,6 +208,12 @@ def main() -> None:
         print(f"batch {b:2d}: jaxinfer {jx:7.1f} tok/s   transformers {hf:7.1f} tok/s   ratio {jx / hf:.2f}", flush=True)
         results |= {f"jaxinfer_tok_s_b{b}": round(jx, 1), f"hf_tok_s_b{b}": round(hf, 1), f"ratio_b{b}": round(jx / hf, 2)}
         tok_s[b] = jx
+    lone = {rows: in_subprocess(f"jaxinfer_8_slots{rows}", 1, args) for rows in ("", "_full_rows")}
+    print(f"one request on 8 slots: {lone['']:.1f} tok/s with row buckets, {lone['_full_rows']:.1f} with all 8 rows",
+          flush=True)
+    results |= {"lone_on_8_slots_tok_s": round(lone[""], 1), "lone_on_8_slots_full_rows_tok_s": round(lone["_full_rows"], 1),
+                "lone_on_8_slots_over_1_slot": round(lone[""] / tok_s[1], 3),
+                "lone_full_rows_over_1_slot": round(lone["_full_rows"] / tok_s[1], 3)}
     from jaxinfer.default_model import default_model_path
     from jaxinfer.loading import load_model
 

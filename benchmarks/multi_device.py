@@ -73,7 +73,7 @@ def bytes_per_device(tree) -> tuple[int, int]:
 def step_flops(engine: Engine, with_prefill: bool) -> float:
     """FLOPs of the compiled per-device program of one step at the longest context bucket."""
     m, mesh = engine.model, engine.config.mesh
-    batch = engine._place(engine._idle_batch(engine.context_buckets[-1], with_prefill))
+    batch = engine._place(engine._idle_batch(engine.context_buckets[-1], with_prefill, engine.config.max_slots))
     compiled = engine._step.lower(m.params, m.config, engine.kv, batch, "reference", mesh).compile()  # positional: see shard_engine
     cost = compiled.cost_analysis()
     return (cost[0] if isinstance(cost, list) else cost)["flops"]

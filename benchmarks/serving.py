@@ -6,9 +6,14 @@ and prefix caching on a shared system prompt. One run; last line: one JSON objec
 Trace: prompt and output lengths drawn from log-normal (long-tailed) distributions with a
 fixed seed; greedy, EOS ignored so every system produces exactly the requested tokens.
 Throughput = requested output tokens / wall time, prefill included.
-  continuous   Engine, max_slots 16: requests join and leave between iterations
+  continuous   Engine, max_slots 16: requests join and leave between iterations; decode-only
+               steps run the smallest row bucket (1, 4, 16) holding the decoding requests
   static       the same Engine with scheduling="static": batches of 16 that run until their
-               longest member finishes
+               longest member finishes, all 16 decode rows each step (as transformers does)
+  full rows    continuous with every step at 16 decode rows (`decode_row_buckets=(16,)`, the
+               engine before row buckets): `rows_speedup` = continuous / this
+  static shrinking  static batches whose decode rows shrink with them (row buckets 1, 4, 16):
+               `continuous_over_static_shrinking`, the stricter baseline
   hf_static    transformers generate, batches of 16 (left-padded) run to the longest output
 Long tail: a second trace whose output lengths spread like chat logs (log-normal, p99/p50 >= 8),
 continuous vs static only (`continuous_over_static_longtail`).
@@ -56,12 +61,14 @@ def tail_ratio(outputs: list[int]) -> float:
     return float(np.percentile(outputs, 99) / np.percentile(outputs, 50))
 
 
-def engine_throughput(model, prompts, outputs, scheduling: str) -> tuple[float, int, StepTimer]:
+def engine_throughput(model, prompts, outputs, scheduling: str, rows: tuple[int, ...] | None = None
+                      ) -> tuple[float, int, StepTimer]:
+    """`rows`: `EngineConfig.decode_row_buckets` (None: the default for `scheduling`)."""
     from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.sampling import SamplingParams
 
     engine = Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
-                                        scheduling=scheduling, enable_prefix_caching=False))
+                                        scheduling=scheduling, enable_prefix_caching=False, decode_row_buckets=rows))
     engine.warmup()
     compiled = engine.metrics().compiled_programs
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -148,11 +155,17 @@ def main() -> None:
           f"(p50), device idle {timer.device_idle_frac:.3f} of the wall time", flush=True)
     static, _, _ = engine_throughput(model, prompts, outputs, "static")
     print(f"static:     {static:.1f} tok/s", flush=True)
+    full, _, _ = engine_throughput(model, prompts, outputs, "continuous", (SLOTS,))
+    shrinking, _, _ = engine_throughput(model, prompts, outputs, "static", (1, 4))
+    print(f"continuous with all {SLOTS} rows: {full:.1f} tok/s; static with shrinking rows: {shrinking:.1f} tok/s", flush=True)
     tail_prompts, tail_outputs = longtail_trace(args.requests)
     tail_cont, _, tail_timer = engine_throughput(model, tail_prompts, tail_outputs, "continuous")
     tail_static, _, _ = engine_throughput(model, tail_prompts, tail_outputs, "static")
+    tail_full, _, _ = engine_throughput(model, tail_prompts, tail_outputs, "continuous", (SLOTS,))
+    tail_shrinking, _, _ = engine_throughput(model, tail_prompts, tail_outputs, "static", (1, 4))
     print(f"long tail (outputs p99/p50 {tail_ratio(tail_outputs):.1f}, {sum(tail_outputs)} tokens, max {max(tail_outputs)}): "
-          f"continuous {tail_cont:.1f} tok/s, static {tail_static:.1f} tok/s; host {tail_timer.host_ms_per_step:.2f} ms/step, "
+          f"continuous {tail_cont:.1f} tok/s, static {tail_static:.1f} tok/s, all rows {tail_full:.1f}, static shrinking "
+          f"{tail_shrinking:.1f}; host {tail_timer.host_ms_per_step:.2f} ms/step, "
           f"device idle {tail_timer.device_idle_frac:.3f}", flush=True)
     sync_tok_s, async_tok_s = async_over_sync(model, prompts, outputs)
     print(f"async scheduling: {async_tok_s:.1f} tok/s vs synchronous {sync_tok_s:.1f} tok/s (best of 2 each)", flush=True)
@@ -170,6 +183,10 @@ def main() -> None:
         "prefix_prefill_saved_frac": round(1 - computed_on / computed_off, 3),
         "prefix_ttft_ratio": round(ttft_on / ttft_off, 3), "compiles_after_warmup": compiles,
         "continuous_over_static_longtail": round(tail_cont / tail_static, 2), "longtail_p99_over_p50": round(tail_ratio(tail_outputs), 1),
+        "full_rows_tok_s": round(full, 1), "rows_speedup": round(cont / full, 2),
+        "rows_speedup_longtail": round(tail_cont / tail_full, 2),
+        "continuous_over_static_shrinking": round(cont / shrinking, 2),
+        "continuous_over_static_shrinking_longtail": round(tail_cont / tail_shrinking, 2),
         "host_ms_per_step": round(timer.host_ms_per_step, 3), "device_idle_frac": round(timer.device_idle_frac, 4),
         "host_ms_per_step_longtail": round(tail_timer.host_ms_per_step, 3),
         "device_idle_frac_longtail": round(tail_timer.device_idle_frac, 4),

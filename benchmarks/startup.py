@@ -60,7 +60,7 @@ engine.warmup()
 warmup = time.process_time() - t
 steps = {}
 for width in engine.context_buckets:  # every program is compiled: this is run time only
-    batch = engine._idle_batch(width, False)
+    batch = engine._idle_batch(width, False, engine.config.max_slots)
     times = []
     for _ in range(7):
         t = time.perf_counter()

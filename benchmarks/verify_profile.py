@@ -64,7 +64,7 @@ def decode_batch(eng: Engine):
     """Every slot decoding greedily at CONTEXT, its pages laid out one after another (written
     into the engine's device block tables, as its table updates would)."""
     b, pages = eng.spec.max_slots, eng.spec.max_pages_per_seq
-    batch = eng._idle_batch(eng.context_buckets[-1], with_prefill=False)
+    batch = eng._idle_batch(eng.context_buckets[-1], with_prefill=False, rows=b)
     block_tables = 1 + np.arange(b * pages, dtype=np.int32).reshape(b, pages)  # i32[b, pages]
     eng.kv = dataclasses.replace(eng.kv, block_tables=jax.device_put(block_tables, eng.kv.block_tables.sharding))
     return dataclasses.replace(batch, lengths=np.full(b, CONTEXT, np.int32),

@@ -1,4 +1,4 @@
-"""The plain device step: a decode group over every slot plus an optional prefill group.
+"""The plain device step: a group of decode rows plus an optional prefill group.
 
 It sits below both `jaxinfer.speculative` (whose verifying step reuses its batch and
 prefill helpers) and `jaxinfer.engine` (which drives it).
@@ -11,6 +11,11 @@ Every other array in a `StepBatch` has a shape fixed at engine construction. The
 themselves stay on the device (`PagedKVState.block_tables`), kept current by the engine with
 the entries that changed (`jaxinfer.kv.table_updates`); a step reads their first `width`
 columns.
+
+Decode-only programs are also compiled per *row bucket*: the decode group has R rows (a few
+sizes up to `max_slots`, `decode_row_buckets`), each continuing the slot `decode_slots[r]`, so
+a lone request on an 8-slot engine does not pay for 8 rows' matmuls. Tokens come back by
+slot whatever R is, so what reads them (the engine, `feed_decode_tokens`) has one shape.
 """
 
 from __future__ import annotations
@@ -40,20 +45,24 @@ class PrefillBatch:
 class StepBatch:
     width: int = struct.field(pytree_node=False)  # the context bucket: block-table columns the step reads
     lengths: jax.Array  # i32[max_slots]: tokens cached per slot before this step
-    decode_tokens: jax.Array  # i32[max_slots]: the one pending token of each decoding slot
-    decode_active: jax.Array  # bool[max_slots]
+    # R decode rows (R = max_slots with row r = slot r in the speculative steps and on a mesh
+    # with several data replicas; active rows first otherwise, `Engine._batch`)
+    decode_tokens: jax.Array  # i32[R]: the one pending token of each decode row
+    decode_slots: jax.Array  # i32[R]: the slot each decode row continues
+    decode_active: jax.Array  # bool[R]: False = idle row (writes and returns nothing)
     sampling: SamplingArrays  # [max_slots]: per-slot sampling parameters
     prefill: PrefillBatch | None = None
 
 
 @struct.dataclass
 class StepOutput:
-    decode_tokens: jax.Array  # i32[max_slots]: next token per slot (meaningful where active)
+    decode_tokens: jax.Array  # i32[max_slots]: next token per slot (meaningful where a row decoded it)
     prefill_tokens: jax.Array | None  # i32[P]: next token after each row's chunk
     # The raw logits the tokens were sampled from, for `step_logprobs`: logprobs and their
     # top-k cost a log_softmax and a top-k over the vocabulary per row, paid only when a
     # request asks for them (the engine leaves these on the device otherwise).
-    decode_logits: jax.Array  # f32[max_slots, V]
+    decode_logits: jax.Array  # f32[R, V]: per decode row
+    decode_row_tokens: jax.Array  # i32[R]: the token each decode row sampled (`decode_tokens` by row)
     prefill_logits: jax.Array | None  # f32[P, V]
 
 
@@ -78,9 +87,9 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     """
     kept = (kv.block_tables, kv.lengths)  # returned untouched: the engine updates both
     kv = bucket_view(kv, batch)
-    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
+    slots = batch.decode_slots
     decode = TokenGroup(
-        tokens=batch.decode_tokens[:, None], positions=batch.lengths[:, None], slots=slots,
+        tokens=batch.decode_tokens[:, None], positions=batch.lengths[slots][:, None], slots=slots,
         num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots), by_replica=True,
     )
     logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl, mesh)
@@ -96,22 +105,25 @@ def bucket_view(kv: PagedKVState, batch: StepBatch) -> PagedKVState:
 
 
 def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array) -> StepOutput:
-    """Sample the next token of every decode row (`logits[0]`: f32[B, V]) and prefill row
-    (`logits[1]`: f32[P, V]) in one pass over the B + P rows: one filtering program instead
-    of two (most of the step's compile time beside the layers). A prefill row is keyed
-    like a decode token of its slot."""
-    b = logits[0].shape[0]
-    rows, sampling, positions = logits[0], batch.sampling, new_lengths
+    """Sample the next token of every decode row (`logits[0]`: f32[R, V]) and prefill row
+    (`logits[1]`: f32[P, V]) in one pass over the R + P rows: one filtering program instead
+    of two (most of the step's compile time beside the layers). A row is keyed like a
+    decode token of its slot."""
+    r, b = logits[0].shape[0], batch.lengths.shape[0]
+    slots = batch.decode_slots
     if batch.prefill is not None:
-        slots = batch.prefill.slots
-        rows = jnp.concatenate([rows, logits[1]])
-        sampling = jax.tree.map(lambda a: jnp.concatenate([a, a[slots]]), sampling)
-        positions = jnp.concatenate([positions, new_lengths[slots]])
-    tokens = sample_tokens(rows, sampling, positions)  # i32[B + P]
+        slots = jnp.concatenate([slots, batch.prefill.slots])
+    rows = jnp.concatenate(logits) if batch.prefill is not None else logits[0]
+    sampling = jax.tree.map(lambda a: a[slots], batch.sampling)
+    tokens = sample_tokens(rows, sampling, new_lengths[slots])  # i32[R + P]
+    # by slot; idle rows (which may share a slot with an active one) are dropped
+    by_slot = jnp.zeros(b, jnp.int32).at[jnp.where(batch.decode_active, batch.decode_slots, b)].set(
+        tokens[:r], mode="drop")
     if batch.prefill is None:
-        return StepOutput(decode_tokens=tokens, prefill_tokens=None, decode_logits=logits[0], prefill_logits=None)
-    return StepOutput(decode_tokens=tokens[:b], prefill_tokens=tokens[b:], decode_logits=logits[0],
-                      prefill_logits=logits[1])
+        return StepOutput(decode_tokens=by_slot, prefill_tokens=None, decode_logits=logits[0],
+                          decode_row_tokens=tokens, prefill_logits=None)
+    return StepOutput(decode_tokens=by_slot, prefill_tokens=tokens[r:], decode_logits=logits[0],
+                      decode_row_tokens=tokens[:r], prefill_logits=logits[1])
 
 
 def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:
@@ -141,9 +153,9 @@ def feed_decode_tokens(host_tokens: jax.Array, feed: jax.Array, previous_decode:
     """Asynchronous scheduling: each decode row's input token, taken on the device from the
     previous step's output where the host does not have it yet.
 
-    host_tokens i32[B] (the tokens the host knows), feed i32[B] (-1: the host's token; b < B:
+    host_tokens i32[R] (the tokens the host knows), feed i32[R] (-1: the host's token; b < B:
     the previous step's decode token of slot b; B + p: its token after prefill row p),
-    previous_decode i32[B], previous_prefill i32[P] -> i32[B].
+    previous_decode i32[B] (by slot), previous_prefill i32[P] -> i32[R].
     """
     previous = jnp.concatenate([previous_decode, previous_prefill])  # i32[B + P]
     return jnp.where(feed >= 0, previous[jnp.maximum(feed, 0)], host_tokens)

@@ -253,7 +253,7 @@ def check_pool_layout(model: Model) -> dict:
         for req in s.running:
             replicas_used.add(s.replica_of(req.slot))
             in_own_replica &= all(p in s.allocators[s.replica_of(req.slot)].pages for p in req.pages)
-    batch = engine._place(engine._idle_batch(engine.context_buckets[0], True))
+    batch = engine._place(engine._idle_batch(engine.context_buckets[0], True, engine.config.max_slots))
     m = engine.model
     params_in, kv_in, batch_in = engine._step.lower(m.params, m.config, engine.kv, batch, "reference",
                                                     mesh).compile().input_shardings[0]

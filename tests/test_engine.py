@@ -158,7 +158,9 @@ def test_abort_mid_generation_frees_pages(model):
 
 def test_two_hundred_requests_compile_nothing_after_warmup(model):
     eng = engine(model, max_slots=8, max_prefill_rows=2, prefill_chunk=8)
-    assert eng.warmup() == 2 * len(eng.context_buckets)  # decode-only and decode+prefill, per bucket
+    # per context bucket: decode+prefill, and decode-only at each row bucket (by default 1 and 8)
+    assert eng.decode_row_buckets == [1, 8]
+    assert eng.warmup() == 3 * len(eng.context_buckets)
     before = eng.metrics().compiled_programs
     rng = np.random.default_rng(11)
     ps = prompts(200, seed=12, hi=60)
@@ -169,9 +171,60 @@ def test_two_hundred_requests_compile_nothing_after_warmup(model):
     assert eng.metrics().compiled_programs == before
 
 
+def test_decode_rows_shrink_to_the_requests_decoding_and_change_no_token(model):
+    """A decode-only step runs the smallest row bucket that holds its decoding requests
+    (packed first, in any slots), and every token and logprob is what the engine gives with
+    all max_slots rows every step."""
+    ps = prompts(11, seed=21, hi=9)  # one prefill chunk each: decode-only steps come soon
+    # slots 1 and 3 decode last: rows 0-1 then hold them, and idle rows 2-3 point at slots 2-3
+    lengths = [3, 30, 5, 36, 2, 4, 3, 6, 2, 8, 5]
+    sp = [SamplingParams(temperature=[0, 0.8][i % 2], top_p=[1.0, 0.9][i % 3 > 0], seed=i, ignore_eos=True,
+                         max_tokens=n, logprobs=2 if i % 4 == 0 else None) for i, n in enumerate(lengths)]
+    full = engine(model, max_slots=8, decode_row_buckets=(8,))
+    assert full.decode_row_buckets == [8]
+    expected = full.generate(ps, sp)
+    eng = engine(model, max_slots=8, decode_row_buckets=(1, 4))
+    assert eng.decode_row_buckets == [1, 4, 8]
+    steps, shared = [], []  # shared: an idle row points at a slot an active row decodes
+    dispatch = eng._dispatch
+
+    def record(i, batch, *rest):
+        steps.append((batch.prefill is not None, len(batch.decode_active), int(batch.decode_active.sum())))
+        n = steps[-1][2]
+        shared.append(any(n <= slot < len(batch.decode_slots) for slot in batch.decode_slots[:n]))
+        return dispatch(i, batch, *rest)
+
+    eng._dispatch = record
+    outs = eng.generate(ps, sp)
+    for out, ref in zip(outs, expected):
+        assert out.token_ids == ref.token_ids
+        if ref.logprobs is not None:
+            np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+            assert [[t for t, _ in top] for top in out.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
+    decode_only = [(rows, n) for prefill, rows, n in steps if not prefill]
+    assert {rows for rows, _ in decode_only} == {1, 4, 8}
+    assert all(rows == min(r for r in (1, 4, 8) if r >= n) for rows, n in decode_only)
+    assert all(rows == 8 for prefill, rows, _ in steps if prefill)
+    assert any(shared)  # so idle rows must not return tokens for their slot
+    assert eng.metrics().compiled_programs <= len(eng.program_keys()) + 1  # + the block-table update
+
+
+def test_decode_row_buckets_are_validated_and_kept_full_where_rows_are_slots(model):
+    for bad in [(0,), (9,), [1, 8], (), (1.5,)]:
+        with pytest.raises(ValueError, match="decode_row_buckets"):
+            EngineConfig(max_slots=8, decode_row_buckets=bad)
+    assert engine(model, max_slots=8, decode_row_buckets=(2,)).decode_row_buckets == [2, 8]
+    defaults = {slots: engine(model, max_slots=slots).decode_row_buckets for slots in (1, 3, 8, 16, 32, 64)}
+    assert defaults == {1: [1], 3: [1, 3], 8: [1, 8], 16: [1, 4, 16], 32: [1, 4, 32], 64: [1, 4, 16, 64]}
+    # static batches keep their rows, as transformers' generate does, unless told otherwise
+    assert engine(model, max_slots=8, scheduling="static").decode_row_buckets == [8]
+    assert engine(model, max_slots=8, scheduling="static", decode_row_buckets=(1,)).decode_row_buckets == [1, 8]
+    assert engine(model, max_slots=8, speculative=SpeculativeConfig("ngram", 2)).decode_row_buckets == [8]
+
+
 def test_each_engine_counts_only_its_own_programs(model):
-    """Two engines of different shapes in one process: each reports its own programs (two
-    per context bucket and the block-table update), unchanged by the other's traffic and by steady-state steps; a third
+    """Two engines of different shapes in one process: each reports its own programs (per
+    context bucket: decode+prefill and decode-only per row bucket; and the block-table update), unchanged by the other's traffic and by steady-state steps; a third
     with the first one's shapes compiles nothing (it reuses the executables)."""
     small = engine(model, max_slots=2, max_model_len=32, min_context_bucket=8)  # buckets of 2, 8 pages
     large = engine(model, max_slots=4, max_model_len=64, min_context_bucket=8)  # 2, 8, 16 pages
@@ -180,7 +233,7 @@ def test_each_engine_counts_only_its_own_programs(model):
         eng.warmup()
     counts = [eng.metrics().compiled_programs for eng in (small, large)]
     # + 1: the block-table update (`kv.table_updates`)
-    assert counts == [2 * len(small.context_buckets) + 1, 2 * len(large.context_buckets) + 1]
+    assert counts == [(1 + len(e.decode_row_buckets)) * len(e.context_buckets) + 1 for e in (small, large)]
     sp = SamplingParams(temperature=0.7, seed=1, max_tokens=8)
     for eng in (small, large, small):
         eng.generate(prompts(6, seed=5, hi=20), sp)

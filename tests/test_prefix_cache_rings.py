@@ -59,9 +59,11 @@ def test_prefix_hits_with_rings_equal_no_prefix_caching(name):
     long = tokens(60)
     staggered = [long + tokens(5), long + tokens(4)]  # the second hits the first's pages mid-prefill
 
-    reference = engine(model, False)
+    # all 4 decode rows every step: which row buckets traffic reaches (and so which programs,
+    # logprob ones included) depends on how many prefill steps the hits save
+    reference = engine(model, False, decode_row_buckets=(4,))
     want = run(reference, [first, second], staggered)
-    eng = engine(model, True)
+    eng = engine(model, True, decode_row_buckets=(4,))
     got = run(eng, [first, second], staggered)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids

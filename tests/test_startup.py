@@ -42,7 +42,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def test_warmup_compiles_each_program_once_and_traffic_nothing_more(model):
     eng = Engine(model, CONFIG)
-    assert eng.warmup() == len(eng.program_keys()) == 2 * len(eng.context_buckets)
+    per_bucket = 1 + len(eng.decode_row_buckets)  # decode+prefill, decode-only per row bucket
+    assert eng.warmup() == len(eng.program_keys()) == per_bucket * len(eng.context_buckets)
     compiled = len(eng.program_keys()) + 1  # and the block-table update (`kv.table_updates`)
     assert eng.metrics().compiled_programs == compiled
     eng.generate(prompts(6, seed=1), SamplingParams(max_tokens=20))

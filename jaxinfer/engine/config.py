@@ -23,7 +23,10 @@ class EngineConfig:
     max_prefill_rows: int = 1  # prefill rows per step (on a mesh: rounded up to a multiple of `data`)
     max_tokens_per_step: int | None = None  # token budget; default: everything that fits
     enable_prefix_caching: bool = True
-    scheduling: str = "continuous"  # or "static": admit a new batch only when all are done
+    # or "static": admit a new batch only when all are done; a static batch keeps all
+    # max_slots decode rows until then, as transformers' `generate` does (unless
+    # `decode_row_buckets` is given)
+    scheduling: str = "continuous"
     seed: int = 0  # draws seeds for requests that bring none
     # (S, W): a bounded StreamingLLM cache per sequence, S sinks + the W most recent tokens;
     # sequences may then run past max_model_len and the model's context (no prefix caching).
@@ -61,6 +64,14 @@ class EngineConfig:
     # Tokens the narrowest context bucket holds: the step's block tables are cut to the
     # smallest of these widths (x4 each, up to max_model_len) that fits every sequence.
     min_context_bucket: int = 512
+    # Decode rows the decode-only programs are compiled for (vLLM's padded batch sizes): a
+    # step with n decoding requests runs the smallest bucket >= n, so one request on an
+    # 8-slot engine steps at the cost of one row, not eight. None = 1, 4, 16, ... up to
+    # max_slots / 4 (8 slots: 1 and 8; 16 slots: 1, 4 and 16; just max_slots for "static"
+    # scheduling); max_slots is always added. Each bucket is one more program per context
+    # bucket to compile: `(max_slots,)` compiles the fewest. Plain decoding on one data replica only (the
+    # speculative steps and a mesh's `data` axis keep row b = slot b).
+    decode_row_buckets: tuple[int, ...] | None = None
     # Asynchronous scheduling (vLLM v1's `async_scheduling`): `Engine.step` dispatches step
     # n + 1 before it reads step n's tokens, so the host's scheduling, batch building and
     # detokenizing overlap the device's work. Step n + 1's decode rows take their input token
@@ -77,6 +88,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"EngineConfig.{name}={value!r} must be None or a positive integer")
+        if self.decode_row_buckets is not None:
+            rows = self.decode_row_buckets
+            if (not isinstance(rows, tuple) or not rows
+                    or not all(isinstance(r, int) and 0 < r <= self.max_slots for r in rows)):
+                raise ValueError(f"EngineConfig.decode_row_buckets={rows!r} must be None or a non-empty tuple of "
+                                 f"integers in [1, max_slots={self.max_slots}]")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"EngineConfig.async_scheduling={self.async_scheduling!r} must be True or False")
         if self.attention_impl not in IMPLS:

@@ -63,8 +63,9 @@ logger = logging.getLogger(__name__)
 
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
 
-# A step program: (context bucket width, with a prefill group, draft block width; 0 = the plain step)
-ProgramKey = tuple[int, bool, int]
+# A step program: (context bucket width, with a prefill group, draft block width (0 = the plain
+# step), decode rows)
+ProgramKey = tuple[int, bool, int, int]
 
 
 @dataclasses.dataclass
@@ -76,6 +77,7 @@ class LaunchedStep:
     index: int  # the engine's step count when it was dispatched
     outputs: tuple  # on the device: see `Engine._dispatch`
     slots: list[int]  # of plan.decode's requests
+    rows: list[int]  # their rows in the step's decode logits (`step_logprobs`)
     # (request, prefill row) of the chunks that ended a prompt (`_first_tokens`), set after commit
     first_tokens: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
 
@@ -169,6 +171,7 @@ class Engine:
             num_speculative=k, data_parallel=data,
         )
         self.context_buckets = context_buckets(pages_per_seq, -(-config.min_context_bucket // config.page_size))
+        self.decode_row_buckets = decode_row_buckets(config, data)
         self.requests: dict[str, Request] = {}
         self.finished_metrics: deque[RequestMetrics] = deque(maxlen=10_000)  # most recent first out
         self._seeds = np.random.default_rng(config.seed)
@@ -424,8 +427,8 @@ class Engine:
         return [(r, row) for (r, _), row in zip(plan.prefill, plan.prefill_rows) if r.pending == 0]
 
     def _feed(self, plan: SchedulePlan) -> np.ndarray | None:
-        """i32[max_slots]: where each decode row's token comes from (`feed_decode_tokens`), or
-        None when the host has every one."""
+        """i32[max_slots]: where each decoding slot's token comes from (`feed_decode_tokens`;
+        `_launch` reorders it by row), or None when the host has every one."""
         feed = np.full(self.spec.max_slots, -1, np.int32)
         for req in plan.decode:
             if req.num_in_flight:
@@ -439,7 +442,8 @@ class Engine:
         now = time.perf_counter()
         # (request, tokens, its row in the logprob arrays: decode [B] / blocks [B, k + 1], or prefill [P])
         # slots as launched: a request preempted since (asynchronous) has none now
-        emitted = [(r, result.tokens[b, : n + 1].tolist(), (0, b)) for r, b, n in zip(plan.decode, launched.slots, kept)]
+        emitted = [(r, result.tokens[b, : n + 1].tolist(), (0, row))
+                   for r, b, row, n in zip(plan.decode, launched.slots, launched.rows, kept)]
         emitted += [(r, [int(result.prefill[row])], (1, row)) for r, row in launched.first_tokens]
         emitted = [e for e in emitted if self.requests.get(e[0].request_id) is e[0]]  # asynchronous: not aborted since
         drafted = {} if drafts is None else {id(r): (int(drafts.num_draft[b]), n)
@@ -473,19 +477,21 @@ class Engine:
                 feed: np.ndarray | None = None) -> LaunchedStep:
         """Build the step's batch and dispatch its program (not waiting for it). Across
         processes, the followers run it too."""
-        batch = self._batch(plan, draft_width(drafts))
+        batch, rows = self._batch(plan, draft_width(drafts))
+        if feed is not None:  # by row
+            feed = np.where(batch.decode_active, feed[batch.decode_slots], -1).astype(np.int32)
         updates = self._tables.updates(self.scheduler.take_changed_rows())
         self._steps += 1
         if self._channel is not None:
             self._channel.publish(("run", self._steps, batch, drafts, feed, updates))
         return LaunchedStep(plan, drafts, self._steps, self._dispatch(self._steps, batch, drafts, feed, updates),
-                            [r.slot for r in plan.decode])
+                            [r.slot for r in plan.decode], rows)
 
     def _dispatch(self, index: int, batch: StepBatch, drafts: DraftBatch | None, feed: np.ndarray | None,
                   updates: list[TableUpdates]) -> tuple:
         """Dispatch step `index`'s program -> its outputs, still on the device: (tokens i32[B]
-        or i32[B, k + 1], accepted i32[B] or None, prefill tokens i32[P] or None, what
-        `_logprobs` needs). `feed`: decode rows whose token the previous step made; `updates`:
+        or i32[B, k + 1] by slot, accepted i32[B] or None, prefill tokens i32[P] or None, what
+        `_logprobs` needs). `feed` i32[R]: decode rows whose token the previous step made; `updates`:
         the block-table entries that changed since the previous step, written in first."""
         for update in updates:
             tables = self._compiles.call(self._apply_tables, self.kv.block_tables, self._place_updates(update))
@@ -502,14 +508,16 @@ class Engine:
         fn, args = self._program(batch, drafts, self.kv, self.draft_kv, self.attention_impl(key))
         if drafts is None:
             self.kv, out = self._compiles.call(fn, *args)
-            device_tokens, accepted, logits = out.decode_tokens, None, out.decode_logits  # i32[B], f32[B, V]
+            device_tokens, accepted = out.decode_tokens, None  # i32[B]
+            logits, row_tokens = out.decode_logits, out.decode_row_tokens  # f32[R, V], i32[R]
             prefill = self._no_prefill if out.prefill_tokens is None else out.prefill_tokens
             self._previous_tokens = (device_tokens, prefill)
         else:
             self.kv, self.draft_kv, out = self._compiles.call(fn, *args)
             device_tokens, accepted, logits = out.tokens, out.num_accepted, out.logits  # i32[B, k + 1], f32[B, k + 1, V]
+            row_tokens = device_tokens
         self._ran.add(key)
-        self._recent_logits = {index: (logits, device_tokens, out.prefill_logits, out.prefill_tokens),
+        self._recent_logits = {index: (logits, row_tokens, out.prefill_logits, out.prefill_tokens),
                                **{i: v for i, v in self._recent_logits.items() if i == index - 1}}
         return device_tokens, accepted, out.prefill_tokens
 
@@ -655,13 +663,15 @@ class Engine:
         context bucket first (what short requests run), then the largest (it fits every
         sequence), then the rest. Per bucket: decode + prefill, decode only; with speculation,
         the verifying step at each draft width (n-gram: also the plain step, for steps with
-        nothing to verify)."""
+        nothing to verify). Each at max_slots decode rows (they serve any step); then the
+        decode-only programs of the smaller row buckets, in the same order."""
         drafts = [0]
         if self.spec_stats:
             drafts = self.draft_widths + ([0] if self.config.speculative.method == "ngram" else [])
-        buckets = self.context_buckets
+        buckets, full = self.context_buckets, self.config.max_slots
         order = [buckets[0]] + ([buckets[-1]] if len(buckets) > 1 else []) + buckets[1:-1]
-        return [(w, prefill, d) for w in order for prefill in (True, False) for d in drafts]
+        keys = [(w, prefill, d, full) for w in order for prefill in (True, False) for d in drafts]
+        return keys + [(w, False, 0, r) for w in order for r in self.decode_row_buckets if r < full]
 
     def warmup(self) -> int:
         """Compile every program traffic can need (`program_keys`) now; returns how many.
@@ -687,9 +697,10 @@ class Engine:
         with self._compiles.attribute():
             self._apply_tables.lower(tables, self._place_updates(self._tables.idle())).compile()
         if self.config.async_scheduling:
-            b = np.zeros(self.config.max_slots, np.int32)
-            with self._compiles.attribute():
-                feed_decode_tokens.lower(b, b, *self._previous_tokens).compile()
+            for rows in self.decode_row_buckets:
+                r = np.zeros(rows, np.int32)
+                with self._compiles.attribute():
+                    feed_decode_tokens.lower(r, r, *self._previous_tokens).compile()
 
     @property
     def ready(self) -> bool:
@@ -697,7 +708,7 @@ class Engine:
         (without it, steps compile what they need when they need it)."""
         if self._compiler is None:
             return True
-        first = [k for k in self.program_keys() if k[0] == self.context_buckets[0]]
+        first = [k for k in self.program_keys() if k[0] == self.context_buckets[0] and k[3] == self.config.max_slots]
         return all(k in self._ran or self._compiler.compiled(k) for k in first)
 
     def wait_for_warmup(self, timeout: float | None = None) -> bool:
@@ -716,7 +727,7 @@ class Engine:
         placements), so this may run while `step` donates the real ones."""
         if key in self._ran or key in self._compiled:
             return
-        width, with_prefill, draft_width = key
+        width, with_prefill, draft_width, decode_rows = key
         b = self.spec.max_slots
         drafts = None if draft_width == 0 else DraftBatch(tokens=np.zeros((b, draft_width), np.int32),
                                                           num_draft=np.zeros(b, np.int32))
@@ -725,7 +736,7 @@ class Engine:
             drafts = EagleBatch(num_draft=np.zeros(b, np.int32), head_tokens=np.zeros((b, draft_width + 1), np.int32),
                                 carried=np.zeros(b, np.int32), prefill_carried=np.zeros(rows, bool) if with_prefill else None)
         abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-        batch, kv = self._idle_batch(width, with_prefill), abstract(self.kv)
+        batch, kv = self._idle_batch(width, with_prefill, decode_rows), abstract(self.kv)
         if self.config.async_scheduling:  # its decode tokens come from `feed_decode_tokens`, on the device
             batch = dataclasses.replace(batch, decode_tokens=self._replicated(batch.decode_tokens))
         draft_kv = None if self.draft_kv is None else abstract(self.draft_kv)
@@ -763,30 +774,36 @@ class Engine:
         return PrefillBatch(tokens=np.zeros((rows, chunk), np.int32), slots=slots, num_new=np.zeros(rows, np.int32),
                             shared=np.zeros(rows, np.int32))
 
-    def _idle_batch(self, width: int, with_prefill: bool) -> StepBatch:
+    def _idle_batch(self, width: int, with_prefill: bool, rows: int) -> StepBatch:
         b = self.spec.max_slots
         return StepBatch(
-            width=width, lengths=np.zeros(b, np.int32),
-            decode_tokens=np.zeros(b, np.int32), decode_active=np.zeros(b, bool),
+            width=width, lengths=np.zeros(b, np.int32), decode_tokens=np.zeros(rows, np.int32),
+            decode_slots=np.arange(rows, dtype=np.int32), decode_active=np.zeros(rows, bool),
             sampling=SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b),
             prefill=self._idle_prefill() if with_prefill else None,
         )
 
-    def _batch(self, plan: SchedulePlan, draft_width: int = 0) -> StepBatch:
+    def _batch(self, plan: SchedulePlan, draft_width: int = 0) -> tuple[StepBatch, list[int]]:
+        """The step's batch, and the decode row of each of `plan.decode`'s requests: row b =
+        slot b at max_slots rows (speculative steps and mesh replicas rely on it), else
+        the requests in order, the idle rows after them."""
         b = self.spec.max_slots
-        width = self._bucket(max(len(r.pages) for r in self.scheduler.running), bool(plan.prefill), draft_width)
+        width, num_rows = self._shape(max(len(r.pages) for r in self.scheduler.running), len(plan.decode),
+                                      bool(plan.prefill), draft_width)
         lengths = np.zeros(b, np.int32)
         params: list[SamplingParams] = [SamplingParams(temperature=0)] * b
         seeds = [0] * b
         for req in self.scheduler.running:
             lengths[req.slot] = req.num_computed
             params[req.slot], seeds[req.slot] = req.params, req.seed
-        decode_tokens = np.zeros(b, np.int32)
-        active = np.zeros(b, bool)
-        for req in plan.decode:
+        decode_tokens = np.zeros(num_rows, np.int32)
+        active = np.zeros(num_rows, bool)
+        slots = np.arange(num_rows, dtype=np.int32)
+        rows = [r.slot for r in plan.decode] if num_rows == b else list(range(len(plan.decode)))
+        for req, row in zip(plan.decode, rows):
             if not req.num_in_flight:  # else the device feeds it (`_feed`)
-                decode_tokens[req.slot] = req.token_at(req.num_computed)
-            active[req.slot] = True
+                decode_tokens[row] = req.token_at(req.num_computed)
+            active[row], slots[row] = True, req.slot
         prefill = None
         if plan.prefill:
             prefill = self._idle_prefill()
@@ -795,21 +812,27 @@ class Engine:
                 prefill.slots[row], prefill.num_new[row], prefill.shared[row] = req.slot, n, req.num_shared_tokens
         # numpy leaves: jit transfers them in one go, cheaper than a jnp.asarray each
         return StepBatch(
-            width=width, lengths=lengths, decode_tokens=decode_tokens, decode_active=active,
+            width=width, lengths=lengths, decode_tokens=decode_tokens, decode_slots=slots, decode_active=active,
             sampling=SamplingArrays.from_params(params, seeds), prefill=prefill,
-        )
+        ), rows
 
-    def _bucket(self, pages: int, with_prefill: bool, draft_width: int) -> int:
-        """Attention gathers `width` pages per row: the smallest bucket that holds `pages`
-        (so short contexts do not pay for max_model_len) whose program is compiled, while
-        `start_warmup` is still compiling; the smallest that holds them otherwise."""
+    def _shape(self, pages: int, decoding: int, with_prefill: bool, draft_width: int) -> tuple[int, int]:
+        """(context bucket, decode rows) of the step's program. Attention gathers `width`
+        pages per row: the smallest bucket that holds `pages` (so short contexts do not pay
+        for max_model_len); the decode group has the fewest rows that hold `decoding`
+        requests (decode-only plain steps; max_slots otherwise). While `start_warmup` is
+        still compiling, the first such shape whose program is compiled; else the smallest."""
         fits = [w for w in self.context_buckets if w >= pages]
+        rows = [self.config.max_slots]
+        if not with_prefill and not draft_width:
+            rows = [r for r in self.decode_row_buckets if r >= decoding]
         if self._compiler is not None:
             for w in fits:
-                key = (w, with_prefill, draft_width)
-                if key in self._ran or self._compiler.compiled(key):
-                    return w
-        return fits[0]
+                for r in rows:
+                    key = (w, with_prefill, draft_width, r)
+                    if key in self._ran or self._compiler.compiled(key):
+                        return w, r
+        return fits[0], rows[0]
 
     # ---- conveniences -----------------------------------------------------------------------
 
@@ -904,7 +927,7 @@ def draft_width(drafts: DraftBatch | EagleBatch | None) -> int:
 
 def program_key(batch: StepBatch, drafts: DraftBatch | None) -> ProgramKey:
     """Which program runs `batch` with `drafts`."""
-    return (batch.width, batch.prefill is not None, draft_width(drafts))
+    return (batch.width, batch.prefill is not None, draft_width(drafts), batch.decode_tokens.shape[0])
 
 
 def _logprob_at(lp: TokenLogprobs, row: int, j: int, n: int) -> tuple[float, list[tuple[int, float]]]:
@@ -932,6 +955,18 @@ def window_ring(config: ModelConfig, page_size: int, max_chunk: int, pages_per_s
         return None
     ring = ring_pages(max(windows), max_chunk, page_size)
     return ring if ring < pages_per_seq else None
+
+
+def decode_row_buckets(config: EngineConfig, data_replicas: int) -> list[int]:
+    """The decode-row counts the decode-only programs are compiled for
+    (`EngineConfig.decode_row_buckets`), ascending, max_slots last."""
+    full = config.max_slots
+    if config.speculative is not None or data_replicas > 1:
+        return [full]
+    rows = config.decode_row_buckets
+    if rows is None:  # 1, 4, 16, ... up to max_slots / 4: each bucket at least 4x the one below
+        rows = () if config.scheduling == "static" else (1, *itertools.takewhile(lambda r: r <= full // 4, (4**i for i in itertools.count(1))))
+    return sorted(set(rows) | {full})
 
 
 def context_buckets(max_pages: int, smallest: int) -> list[int]:
