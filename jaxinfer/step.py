@@ -110,10 +110,9 @@ def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: ja
     of two (most of the step's compile time beside the layers). A row is keyed like a
     decode token of its slot."""
     r, b = logits[0].shape[0], batch.lengths.shape[0]
-    slots = batch.decode_slots
+    slots, rows = batch.decode_slots, logits[0]  # of each row sampled: i32[R (+ P)], f32[R (+ P), V]
     if batch.prefill is not None:
-        slots = jnp.concatenate([slots, batch.prefill.slots])
-    rows = jnp.concatenate(logits) if batch.prefill is not None else logits[0]
+        slots, rows = jnp.concatenate([slots, batch.prefill.slots]), jnp.concatenate(logits)
     sampling = jax.tree.map(lambda a: a[slots], batch.sampling)
     tokens = sample_tokens(rows, sampling, new_lengths[slots])  # i32[R + P]
     # by slot; idle rows (which may share a slot with an active one) are dropped

@@ -708,7 +708,8 @@ class Engine:
         (without it, steps compile what they need when they need it)."""
         if self._compiler is None:
             return True
-        first = [k for k in self.program_keys() if k[0] == self.context_buckets[0] and k[3] == self.config.max_slots]
+        full = self.config.max_slots  # programs of the smallest bucket that serve any step there
+        first = [k for k in self.program_keys() if k[0] == self.context_buckets[0] and k[3] == full]
         return all(k in self._ran or self._compiler.compiled(k) for k in first)
 
     def wait_for_warmup(self, timeout: float | None = None) -> bool:
@@ -964,8 +965,10 @@ def decode_row_buckets(config: EngineConfig, data_replicas: int) -> list[int]:
     if config.speculative is not None or data_replicas > 1:
         return [full]
     rows = config.decode_row_buckets
-    if rows is None:  # 1, 4, 16, ... up to max_slots / 4: each bucket at least 4x the one below
-        rows = () if config.scheduling == "static" else (1, *itertools.takewhile(lambda r: r <= full // 4, (4**i for i in itertools.count(1))))
+    if rows is None and config.scheduling == "static":
+        rows = ()
+    elif rows is None:  # 1, 4, 16, ... up to max_slots / 4: each bucket at least 4x the one below
+        rows = (1, *itertools.takewhile(lambda r: r <= full // 4, (4**i for i in itertools.count(1))))
     return sorted(set(rows) | {full})
 
 
