@@ -172,8 +172,8 @@ def _top_k_top_p_threshold(x: jax.Array, s: SamplingArrays) -> jax.Array:
     is the largest t whose tokens >= t hold at least `top_p` of the mass left by top-k: the
     last token a descending cumulative sum would keep. Both are found by `_largest_reaching`
     (32 masked sums over the row; top-k by `_top_k_threshold` when no k exceeds FAST_TOP_K)
-    instead of a sort: on XLA:CPU sorting one 49,152-wide row
-    costs ~15 ms, and a 262k-wide one (Gemma 3) far more.
+    instead of a sort: on XLA:CPU sorting one 49,152-wide row costs ~15 ms, and a 262k-wide
+    one (Gemma 3) far more.
     """
     vocab = x.shape[-1]
     on_k = (s.top_k > 0) & (s.top_k < vocab)

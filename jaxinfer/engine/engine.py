@@ -406,7 +406,7 @@ class Engine:
         plan = self.scheduler.schedule()
         launched = None
         if not plan.empty:
-            launched = self._launch(plan, None, self._feed(plan))
+            launched = self._launch(plan, None)
             self.scheduler.commit(plan)
             launched.first_tokens = self._first_tokens(plan)
             rows = [(r, r.slot) for r in plan.decode] + [(r, self.spec.max_slots + row) for r, row in launched.first_tokens]
@@ -426,13 +426,14 @@ class Engine:
         so sampled the request's next token."""
         return [(r, row) for (r, _), row in zip(plan.prefill, plan.prefill_rows) if r.pending == 0]
 
-    def _feed(self, plan: SchedulePlan) -> np.ndarray | None:
-        """i32[max_slots]: where each decoding slot's token comes from (`feed_decode_tokens`;
-        `_launch` reorders it by row), or None when the host has every one."""
-        feed = np.full(self.spec.max_slots, -1, np.int32)
-        for req in plan.decode:
+    @staticmethod
+    def _feed(plan: SchedulePlan, rows: list[int], num_rows: int) -> np.ndarray | None:
+        """i32[R]: where each decode row's token comes from (`feed_decode_tokens`), or None
+        when the host has every one (always, without asynchronous scheduling)."""
+        feed = np.full(num_rows, -1, np.int32)
+        for req, row in zip(plan.decode, rows):
             if req.num_in_flight:
-                feed[req.slot] = req.in_flight_row
+                feed[row] = req.in_flight_row
         return feed if (feed >= 0).any() else None
 
     def _emit(self, launched: LaunchedStep, result: StepResult, kept: list[int]) -> list[RequestOutput]:
@@ -473,13 +474,11 @@ class Engine:
                 outputs.append(self._fail(req, e))
         return outputs
 
-    def _launch(self, plan: SchedulePlan, drafts: DraftBatch | EagleBatch | None,
-                feed: np.ndarray | None = None) -> LaunchedStep:
+    def _launch(self, plan: SchedulePlan, drafts: DraftBatch | EagleBatch | None) -> LaunchedStep:
         """Build the step's batch and dispatch its program (not waiting for it). Across
         processes, the followers run it too."""
         batch, rows = self._batch(plan, draft_width(drafts))
-        if feed is not None:  # by row
-            feed = np.where(batch.decode_active, feed[batch.decode_slots], -1).astype(np.int32)
+        feed = self._feed(plan, rows, len(batch.decode_tokens))
         updates = self._tables.updates(self.scheduler.take_changed_rows())
         self._steps += 1
         if self._channel is not None:
