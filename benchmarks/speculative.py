@@ -13,6 +13,8 @@ Default runs, all greedy (temperature 0):
   b1  4 chat / all 8 copy prompts one at a time (max_slots=1), for every source at
       k in {2, 4} on both sets (n-gram also k=8 on the copy set)
   b8  the 8 chat prompts at once (max_slots=8), per source at its best b1 chat k
+  1of8  the b1 chat prompts one at a time on that 8-slot engine (a lone user of a server:
+      its decode-only steps verify one row, `EngineConfig.decode_row_buckets`)
 against the same engines with speculation off, run before and after all speculative runs
 (the speedup divides by their mean: the machine's load drifts). `--full` adds temperature 1
 (fixed seeds) and b8 for every k. Speedup = generated tokens per second over the baseline's;
@@ -123,8 +125,10 @@ def print_run(name: str, r: dict) -> None:
 def baselines(engines: dict, temps: tuple[float, ...], new_tokens: int, when: str) -> dict:
     """(set, batch, temperature) -> run, with speculation off."""
     out = {}
-    for (set_name, b, t) in [(s, 1, t) for s in PROMPT_SETS for t in temps] + [("chat", 8, t) for t in temps]:
-        r = out[set_name, b, t] = run(engines[b], set_name, b, t, new_tokens)
+    for (set_name, b, t) in ([(s, 1, t) for s in PROMPT_SETS for t in temps] + [("chat", 8, t) for t in temps]
+                             + [("chat", "1of8", t) for t in temps]):
+        r = out[set_name, b, t] = run(engines[8 if b == "1of8" else b], set_name, 1 if b == "1of8" else b, t,
+                                      new_tokens)
         print_run(f"baseline {when} {set_name} b{b} t{t:g}", r)
     return out
 
@@ -150,6 +154,8 @@ def speculative_runs(model, source: str, temps: tuple[float, ...], full: bool, n
         for t in temps:
             r = runs["chat", k, 8, t] = run(engine, "chat", 8, t, new_tokens)
             print_run(f"{source}_k{k} chat b8 t{t:g}", r)
+            r = runs["chat", k, "1of8", t] = run(engine, "chat", 1, t, new_tokens)
+            print_run(f"{source}_k{k} chat b1of8 t{t:g}", r)
         del engine
     return runs
 
@@ -211,6 +217,8 @@ def main() -> None:
         "best_speedup_b1": per_draft[best]["b1_t0"]["speedup"],
         "best_tokens_per_call_b1": per_draft[best]["b1_t0"]["tokens_per_call"],
         "best_speedup_b8": max(e["b8_t0"]["speedup"] for e in per_draft.values() if "b8_t0" in e),
+        # the best b1 draft, one request at a time on an 8-slot engine, over plain decoding there
+        "best_speedup_1of8": per_draft[best].get("b1of8_t0", {}).get("speedup"),
         "copy_best_draft": copy_best,
         "copy_best_speedup_b1": copy_per_draft[copy_best]["b1_t0"]["speedup"],
         "verify_cost_k4_b1": cost,

@@ -45,8 +45,8 @@ class PrefillBatch:
 class StepBatch:
     width: int = struct.field(pytree_node=False)  # the context bucket: block-table columns the step reads
     lengths: jax.Array  # i32[max_slots]: tokens cached per slot before this step
-    # R decode rows (R = max_slots with row r = slot r in the speculative steps and on a mesh
-    # with several data replicas; active rows first otherwise, `Engine._batch`)
+    # R decode rows (R = max_slots with row r = slot r in steps with prefill rows and on a
+    # mesh with several data replicas; active rows first otherwise, `Engine._batch`)
     decode_tokens: jax.Array  # i32[R]: the one pending token of each decode row
     decode_slots: jax.Array  # i32[R]: the slot each decode row continues
     decode_active: jax.Array  # bool[R]: False = idle row (writes and returns nothing)
@@ -109,20 +109,33 @@ def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: ja
     (`logits[1]`: f32[P, V]) in one pass over the R + P rows: one filtering program instead
     of two (most of the step's compile time beside the layers). A row is keyed like a
     decode token of its slot."""
-    r, b = logits[0].shape[0], batch.lengths.shape[0]
+    r = logits[0].shape[0]
     slots, rows = batch.decode_slots, logits[0]  # of each row sampled: i32[R (+ P)], f32[R (+ P), V]
     if batch.prefill is not None:
         slots, rows = jnp.concatenate([slots, batch.prefill.slots]), jnp.concatenate(logits)
     sampling = jax.tree.map(lambda a: a[slots], batch.sampling)
     tokens = sample_tokens(rows, sampling, new_lengths[slots])  # i32[R + P]
-    # by slot; idle rows (which may share a slot with an active one) are dropped
-    by_slot = jnp.zeros(b, jnp.int32).at[jnp.where(batch.decode_active, batch.decode_slots, b)].set(
-        tokens[:r], mode="drop")
+    by_slot = rows_by_slot(tokens[:r], batch)
     if batch.prefill is None:
         return StepOutput(decode_tokens=by_slot, prefill_tokens=None, decode_logits=logits[0],
                           decode_row_tokens=tokens, prefill_logits=None)
     return StepOutput(decode_tokens=by_slot, prefill_tokens=tokens[r:], decode_logits=logits[0],
                       decode_row_tokens=tokens[:r], prefill_logits=logits[1])
+
+
+def decode_rows(batch: StepBatch) -> tuple[jax.Array, SamplingArrays]:
+    """Each decode row's cache length before the step and sampling parameters, gathered from
+    the batch's per-slot arrays: (i32[R], SamplingArrays[R])."""
+    slots = batch.decode_slots
+    return batch.lengths[slots], jax.tree.map(lambda a: a[slots], batch.sampling)
+
+
+def rows_by_slot(values: jax.Array, batch: StepBatch) -> jax.Array:
+    """Per decode row values [R, ...] -> per slot [max_slots, ...], zeros where no row
+    decoded. Idle rows (which may name the slot of an active one) are dropped."""
+    b = batch.lengths.shape[0]
+    index = jnp.where(batch.decode_active, batch.decode_slots, b)
+    return jnp.zeros((b, *values.shape[1:]), values.dtype).at[index].set(values, mode="drop")
 
 
 def prefill_groups(batch: StepBatch) -> tuple[TokenGroup, ...]:

@@ -106,6 +106,49 @@ def test_a_request_can_opt_out_and_max_tokens_is_never_exceeded(model):
     assert len(outs[2].token_ids) == 3
 
 
+@pytest.mark.parametrize("source", ["ngram", "self", "draft-subset", "eagle"])
+def test_verify_rows_shrink_to_the_requests_decoding_and_change_no_token(model, source):
+    """A decode-only speculative step verifies one block per decoding request, packed into
+    the smallest row bucket (a lone request on 8 slots verifies [1, k + 1], not [8, k + 1]),
+    and every token, logprob and acceptance count is what the engine gives with all
+    max_slots rows every step."""
+    from test_eagle import random_head
+
+    sources = draft_sources(model) | {"eagle": SpeculativeConfig("eagle", 3, draft=random_head(model))}
+    ps = prompts(9, seed=4)
+    lengths = [60, 12, 50, 16, 8, 30, 14, 6, 24, 10, 40]  # 4 or fewer decode for a while, then one
+    sp = [SamplingParams(temperature=[0, 1.0][i % 2], top_k=[0, 5][i % 3 > 0], seed=i, ignore_eos=True,
+                         max_tokens=n, logprobs=2 if i % 4 == 0 else None) for i, n in enumerate(lengths)]
+    shape = dict(max_slots=8, max_model_len=128, prefill_chunk=32)
+    full = engine(model, sources[source], decode_row_buckets=(8,), **shape)
+    expected = full.generate(ps, sp)
+    eng = engine(model, sources[source], decode_row_buckets=(1, 4), **shape)
+    assert eng.decode_row_buckets == [1, 4, 8]
+    steps = []
+    dispatch = eng._dispatch
+
+    def record(i, batch, drafts, *rest):
+        steps.append((batch.prefill is not None, len(batch.decode_active), int(batch.decode_active.sum()),
+                      drafts is not None))
+        return dispatch(i, batch, drafts, *rest)
+
+    eng._dispatch = record
+    outs = eng.generate(ps, sp)
+    for out, ref in zip(outs, expected):
+        assert out.token_ids == ref.token_ids
+        if ref.logprobs is not None:
+            np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+        s, r = out.metrics.speculative, ref.metrics.speculative
+        assert (s.drafted.tolist(), s.accepted.tolist()) == (r.drafted.tolist(), r.accepted.tolist())
+    decode_only = [(rows, n, spec) for prefill, rows, n, spec in steps if not prefill]
+    assert all(rows == min(r for r in (1, 4, 8) if r >= n) for rows, n, _ in decode_only)
+    if source == "eagle":  # the target features each slot carried last (acceptance alone is blind to them)
+        np.testing.assert_allclose(eng.draft_kv.features, full.draft_kv.features, rtol=0, atol=1e-4)
+    packed = {rows for rows, _, spec in decode_only if spec}  # rows of the steps that verified blocks
+    assert (4 in packed) if source == "ngram" else ({1, 4} <= packed)  # n-gram: alone, it found no match
+    assert eng.metrics().speculative.drafted.sum() > 0
+
+
 @pytest.mark.parametrize("source", ["draft", "ngram"])
 def test_speculation_compiles_nothing_after_warmup(model, source):
     eng = engine(model, draft_sources(model)[source], num_pages=TIGHT)

@@ -69,8 +69,9 @@ class EngineConfig:
     # 8-slot engine steps at the cost of one row, not eight. None = 1, 4, 16, ... up to
     # max_slots / 4 (8 slots: 1 and 8; 16 slots: 1, 4 and 16; just max_slots for "static"
     # scheduling); max_slots is always added. Each bucket is one more program per context
-    # bucket to compile: `(max_slots,)` compiles the fewest. Plain decoding on one data
-    # replica only (the speculative steps and a mesh's `data` axis keep row b = slot b).
+    # bucket (and draft width, with speculation) to compile: `(max_slots,)` compiles the
+    # fewest. Steps with prefill rows, a mesh's `data` axis and speculation on a mesh keep
+    # row b = slot b at max_slots rows.
     decode_row_buckets: tuple[int, ...] | None = None
     # Asynchronous scheduling (vLLM v1's `async_scheduling`): `Engine.step` dispatches step
     # n + 1 before it reads step n's tokens, so the host's scheduling, batch building and

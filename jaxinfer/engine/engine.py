@@ -447,8 +447,8 @@ class Engine:
                    for r, b, row, n in zip(plan.decode, launched.slots, launched.rows, kept)]
         emitted += [(r, [int(result.prefill[row])], (1, row)) for r, row in launched.first_tokens]
         emitted = [e for e in emitted if self.requests.get(e[0].request_id) is e[0]]  # asynchronous: not aborted since
-        drafted = {} if drafts is None else {id(r): (int(drafts.num_draft[b]), n)
-                                             for r, b, n in zip(plan.decode, launched.slots, kept)}
+        drafted = {} if drafts is None else {id(r): (int(drafts.num_draft[row]), n)
+                                             for r, row, n in zip(plan.decode, launched.rows, kept)}
         wanted = any(r.params.logprobs is not None for r, _, _ in emitted)
         host_logprobs = self._logprobs(launched.index, result.step_logits) if wanted else None
         outputs = []
@@ -478,6 +478,8 @@ class Engine:
         """Build the step's batch and dispatch its program (not waiting for it). Across
         processes, the followers run it too."""
         batch, rows = self._batch(plan, draft_width(drafts))
+        if drafts is not None:
+            drafts = drafts_by_row(drafts, rows, len(batch.decode_tokens))
         feed = self._feed(plan, rows, len(batch.decode_tokens))
         updates = self._tables.updates(self.scheduler.take_changed_rows())
         self._steps += 1
@@ -513,8 +515,8 @@ class Engine:
             self._previous_tokens = (device_tokens, prefill)
         else:
             self.kv, self.draft_kv, out = self._compiles.call(fn, *args)
-            device_tokens, accepted, logits = out.tokens, out.num_accepted, out.logits  # i32[B, k + 1], f32[B, k + 1, V]
-            row_tokens = device_tokens
+            device_tokens, accepted = out.tokens, out.num_accepted  # i32[B, k + 1], i32[B] by slot
+            logits, row_tokens = out.logits, out.row_tokens  # f32[R, k + 1, V], i32[R, k + 1]
         self._ran.add(key)
         self._recent_logits = {index: (logits, row_tokens, out.prefill_logits, out.prefill_tokens),
                                **{i: v for i, v in self._recent_logits.items() if i == index - 1}}
@@ -596,34 +598,36 @@ class Engine:
             impl, c.mesh)
 
     def _draft_batch(self, plan: SchedulePlan) -> DraftBatch | EagleBatch:
-        """How many drafts each decoding slot verifies; n-gram drafts are proposed here."""
+        """How many drafts each decoding request verifies, in `plan.decode`'s order (`_launch`
+        lays them out by decode row); n-gram drafts are proposed here."""
         sc = self.config.speculative
         if sc.method == "eagle":
             return self._eagle_batch(plan)
-        tokens = np.zeros((self.spec.max_slots, sc.num_speculative), np.int32)
-        num_draft = np.zeros(self.spec.max_slots, np.int32)
-        for req, lookahead in zip(plan.decode, plan.lookahead):
+        tokens = np.zeros((len(plan.decode), sc.num_speculative), np.int32)
+        num_draft = np.zeros(len(plan.decode), np.int32)
+        for i, (req, lookahead) in enumerate(zip(plan.decode, plan.lookahead)):
             if sc.method == "ngram" and lookahead:
                 proposal = self._ngram_index(req).propose(lookahead)
-                tokens[req.slot, : len(proposal)] = proposal
-                num_draft[req.slot] = len(proposal)
+                tokens[i, : len(proposal)] = proposal
+                num_draft[i] = len(proposal)
             else:
-                num_draft[req.slot] = lookahead
+                num_draft[i] = lookahead
         return DraftBatch(tokens=tokens, num_draft=num_draft)
 
     def _eagle_batch(self, plan: SchedulePlan) -> EagleBatch:
-        """The pairs each decoding slot carried (its last `draft_carry` tokens follow the
-        carried features) and which prefill rows continue a carried feature."""
-        k, b = self.config.speculative.num_speculative, self.spec.max_slots
-        head_tokens = np.zeros((b, k + 1), np.int32)
-        carried, num_draft = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        for req, lookahead in zip(plan.decode, plan.lookahead):
+        """The pairs each decoding request carried (its last `draft_carry` tokens follow the
+        carried features), in `plan.decode`'s order, and which prefill rows continue a
+        carried feature."""
+        k, n = self.config.speculative.num_speculative, len(plan.decode)
+        head_tokens = np.zeros((n, k + 1), np.int32)
+        carried, num_draft = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        for i, (req, lookahead) in enumerate(zip(plan.decode, plan.lookahead)):
             c = req.draft_carry
             if c:
                 # the tokens after the carried features, the pending one last (a prompt token
                 # when the prompt's last chunk was a single token)
-                head_tokens[req.slot, :c] = req.tokens(req.num_tokens - c, req.num_tokens)
-                carried[req.slot], num_draft[req.slot] = c, lookahead
+                head_tokens[i, :c] = req.tokens(req.num_tokens - c, req.num_tokens)
+                carried[i], num_draft[i] = c, lookahead
         prefill_carried = np.zeros(self.scheduler.max_prefill_rows, bool)
         for (req, _), row in zip(plan.prefill, plan.prefill_rows):
             prefill_carried[row] = req.draft_carry > 0
@@ -645,7 +649,7 @@ class Engine:
         compiled block width (powers of two up to k) that holds the longest, and run the
         plain one-token program when no slot has any (verifying costs ~(width + 1) tokens
         per slot)."""
-        longest = int(drafts.num_draft.max())
+        longest = int(drafts.num_draft.max(initial=0))
         if longest == 0:
             return None
         width = next(w for w in self.draft_widths if w >= longest)
@@ -670,7 +674,7 @@ class Engine:
         buckets, full = self.context_buckets, self.config.max_slots
         order = [buckets[0]] + ([buckets[-1]] if len(buckets) > 1 else []) + buckets[1:-1]
         keys = [(w, prefill, d, full) for w in order for prefill in (True, False) for d in drafts]
-        return keys + [(w, False, 0, r) for w in order for r in self.decode_row_buckets if r < full]
+        return keys + [(w, False, d, r) for w in order for r in self.decode_row_buckets if r < full for d in drafts]
 
     def warmup(self) -> int:
         """Compile every program traffic can need (`program_keys`) now; returns how many.
@@ -728,7 +732,7 @@ class Engine:
         if key in self._ran or key in self._compiled:
             return
         width, with_prefill, draft_width, decode_rows = key
-        b = self.spec.max_slots
+        b = decode_rows
         drafts = None if draft_width == 0 else DraftBatch(tokens=np.zeros((b, draft_width), np.int32),
                                                           num_draft=np.zeros(b, np.int32))
         if draft_width and self.config.speculative.method == "eagle":
@@ -785,7 +789,7 @@ class Engine:
 
     def _batch(self, plan: SchedulePlan, draft_width: int = 0) -> tuple[StepBatch, list[int]]:
         """The step's batch, and the decode row of each of `plan.decode`'s requests: row b =
-        slot b at max_slots rows (speculative steps and mesh replicas rely on it), else
+        slot b at max_slots rows (mesh replicas rely on it), else
         the requests in order, the idle rows after them."""
         b = self.spec.max_slots
         width, num_rows = self._shape(max(len(r.pages) for r in self.scheduler.running), len(plan.decode),
@@ -824,7 +828,7 @@ class Engine:
         still compiling, the first such shape whose program is compiled; else the smallest."""
         fits = [w for w in self.context_buckets if w >= pages]
         rows = [self.config.max_slots]
-        if not with_prefill and not draft_width:
+        if not with_prefill:
             rows = [r for r in self.decode_row_buckets if r >= decoding]
         if self._compiler is not None:
             for w in fits:
@@ -925,6 +929,18 @@ def draft_width(drafts: DraftBatch | EagleBatch | None) -> int:
     return drafts.width if isinstance(drafts, EagleBatch) else drafts.tokens.shape[1]
 
 
+def drafts_by_row(drafts: DraftBatch | EagleBatch, rows: list[int], num_rows: int) -> DraftBatch | EagleBatch:
+    """Drafts listed in `plan.decode`'s order, laid out in the step's decode rows: request i
+    at row `rows[i]` of `num_rows` (idle rows verify nothing). Prefill-row fields stay."""
+    def lay_out(a: np.ndarray) -> np.ndarray:
+        out = np.zeros((num_rows, *a.shape[1:]), a.dtype)
+        out[rows] = a[: len(rows)]
+        return out
+
+    fields = ("tokens", "num_draft") if isinstance(drafts, DraftBatch) else ("num_draft", "head_tokens", "carried")
+    return dataclasses.replace(drafts, **{f: lay_out(getattr(drafts, f)) for f in fields})
+
+
 def program_key(batch: StepBatch, drafts: DraftBatch | None) -> ProgramKey:
     """Which program runs `batch` with `drafts`."""
     return (batch.width, batch.prefill is not None, draft_width(drafts), batch.decode_tokens.shape[0])
@@ -961,7 +977,7 @@ def decode_row_buckets(config: EngineConfig, data_replicas: int) -> list[int]:
     """The decode-row counts the decode-only programs are compiled for
     (`EngineConfig.decode_row_buckets`), ascending, max_slots last."""
     full = config.max_slots
-    if config.speculative is not None or data_replicas > 1:
+    if data_replicas > 1 or (config.speculative is not None and config.mesh is not None):
         return [full]
     rows = config.decode_row_buckets
     if rows is None and config.scheduling == "static":

@@ -1,9 +1,12 @@
 """The jitted speculative step: draft k tokens, verify them in one target pass.
 
-Each decoding slot feeds `[t0, d_1 .. d_k]` (its pending token and the drafts) through the
-target as one row of a `[max_slots, k + 1]` group, so the target scores all k + 1
-positions in a single forward; `verify_step` then keeps a per-slot number of drafts.
-Shapes stay fixed: a slot verifies `num_draft[b] <= k` drafts and the rest is padding.
+Each decoding request feeds `[t0, d_1 .. d_k]` (its pending token and the drafts) through
+the target as one row of an `[R, k + 1]` group, so the target scores all k + 1 positions
+in a single forward; `verify_step` then keeps a per-row number of drafts. Shapes stay
+fixed: a row verifies `num_draft[r] <= k` drafts and the rest is padding. As in the plain
+step (`jaxinfer.step`), R is a row bucket: decode-only steps pack their requests into the
+first rows (`StepBatch.decode_slots` names each row's slot), so one request on an 8-slot
+engine verifies one block, not eight.
 
 Rejected drafts need no undo on the device. Their K/V were written past the accepted
 tokens, and the host advances the slot's length only over what was kept, so the next
@@ -32,16 +35,16 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.layer_stack import slice_layers
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
-from jaxinfer.sampling import row_keys
+from jaxinfer.sampling import SamplingArrays, row_keys
 from jaxinfer.speculative.drafts.propose import propose_with_model
 from jaxinfer.speculative.verify import Proposal, verify_step
-from jaxinfer.step import StepBatch, bucket_view, prefill_groups, sample_prefill
+from jaxinfer.step import StepBatch, bucket_view, decode_rows, prefill_groups, rows_by_slot, sample_prefill
 
 
 @struct.dataclass
 class DraftBatch:
-    tokens: jax.Array  # i32[max_slots, k]: host-proposed drafts (n-gram); unused with a draft model
-    num_draft: jax.Array  # i32[max_slots]: drafts to verify per decoding slot (0 = plain decode)
+    tokens: jax.Array  # i32[R, k]: host-proposed drafts (n-gram) per decode row; unused with a draft model
+    num_draft: jax.Array  # i32[R]: drafts to verify per decode row (0 = plain decode)
 
 
 @struct.dataclass
@@ -50,8 +53,18 @@ class SpeculativeOutput:
     num_accepted: jax.Array  # i32[max_slots]: drafts kept per slot
     prefill_tokens: jax.Array | None  # i32[P]: next token after each prefill row's chunk
     # The target's raw logits, for `step.step_logprobs` when a request asks (as in `StepOutput`)
-    logits: jax.Array  # f32[max_slots, k + 1, V]: position j scored tokens[b, j]
+    logits: jax.Array  # f32[R, k + 1, V]: position j of decode row r scored row_tokens[r, j]
+    row_tokens: jax.Array  # i32[R, k + 1]: `tokens` by decode row
     prefill_logits: jax.Array | None  # f32[P, V]
+
+    @classmethod
+    def by_slot(cls, tokens: jax.Array, num_accepted: jax.Array, batch: StepBatch, logits: tuple[jax.Array, ...],
+                new_lengths: jax.Array) -> SpeculativeOutput:
+        """The output of a step whose decode rows verified into `tokens` i32[R, k + 1] /
+        `num_accepted` i32[R], with the target's `logits` per group (decode block, prefill)."""
+        return cls(tokens=rows_by_slot(tokens, batch), num_accepted=rows_by_slot(num_accepted, batch),
+                   prefill_tokens=sample_prefill(logits, batch, new_lengths), logits=logits[0], row_tokens=tokens,
+                   prefill_logits=logits[1] if len(logits) > 1 else None)
 
 
 JIT_OPTIONS = dict(static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
@@ -78,13 +91,10 @@ def speculative_step(
     own logprob under the target, as in `engine_step`."""
     kept = (kv.block_tables, kv.lengths)
     kv = bucket_view(kv, batch)
-    num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[B]
+    lengths, sampling = decode_rows(batch)  # i32[R], [R]
+    num_draft = jnp.where(batch.decode_active, drafts.num_draft, 0)  # i32[R]
     k = drafts.tokens.shape[1]
-    # One key per row from (seed, position), split into two independent streams. (Deriving
-    # the draft's keys with fold_in(key, 1) would reuse split(key)[1], the key of the
-    # correction, and bias the output: the sampled end-to-end test catches exactly that.)
-    verify_keys, draft_keys = jnp.moveaxis(
-        jax.vmap(jax.random.split)(row_keys(batch.sampling.seed, batch.lengths + 1)), 1, 0)
+    verify_keys, draft_keys = speculation_keys(sampling, lengths)
 
     if draft_config is None:
         proposal = Proposal(drafts.tokens, None)
@@ -101,16 +111,28 @@ def speculative_step(
                                            draft_keys, separate=True, attention_impl=attention_impl, mesh=mesh)
         draft_kv = dataclasses.replace(dkv, block_tables=draft_owned[0], lengths=draft_owned[1])
 
-    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
-    block = TokenGroup(
-        tokens=jnp.concatenate([batch.decode_tokens[:, None], proposal.tokens], axis=1),  # i32[B, k + 1]
-        positions=batch.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32), slots=slots,
-        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), by_replica=True,
+    logits, kv = forward_groups(params, config, kv, (verify_block(batch, proposal, num_draft),) + prefill_groups(batch),
+                                attention_impl, mesh)
+    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, sampling, verify_keys)
+    out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths)
+    return dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1]), draft_kv, out
+
+
+def speculation_keys(sampling: SamplingArrays, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each decode row's (verification, draft) keys from its (seed, position): two independent
+    streams. (Deriving the draft's keys with fold_in(key, 1) would reuse split(key)[1], the
+    key of the correction, and bias the output: the sampled end-to-end test catches exactly
+    that.) sampling [R], lengths i32[R] -> (key[R], key[R])."""
+    keys = jax.vmap(jax.random.split)(row_keys(sampling.seed, lengths + 1))  # key[R, 2]
+    return keys[:, 0], keys[:, 1]
+
+
+def verify_block(batch: StepBatch, proposal: Proposal, num_draft: jax.Array) -> TokenGroup:
+    """Each decode row's `[t0, d_1 .. d_k]` as one group: i32[R, k + 1] at the row's slot."""
+    k = proposal.tokens.shape[1]
+    return TokenGroup(
+        tokens=jnp.concatenate([batch.decode_tokens[:, None], proposal.tokens], axis=1),
+        positions=batch.lengths[batch.decode_slots][:, None] + jnp.arange(k + 1, dtype=jnp.int32),
+        slots=batch.decode_slots, num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), by_replica=True,
     )
-    logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
-    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, batch.sampling, verify_keys)
-    prefill_next = sample_prefill(logits, batch, kv.lengths)
-    kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
-    return kv, draft_kv, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
-                                           logits=logits[0], prefill_logits=logits[1] if len(logits) > 1 else None)
 

@@ -20,7 +20,7 @@ from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
 from jaxinfer.sampling import SamplingArrays, filter_logits, greedy_tokens
 from jaxinfer.speculative.verify import Proposal
-from jaxinfer.step import StepBatch, prefill_groups
+from jaxinfer.step import StepBatch, decode_rows, prefill_groups
 
 
 def propose_with_model(
@@ -28,19 +28,19 @@ def propose_with_model(
     num_draft: jax.Array, k: int, keys: jax.Array, *, separate: bool, attention_impl: str,
     mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Proposal, PagedKVState]:
-    """k draft tokens per slot, sampled from the draft under each row's sampling parameters.
+    """k draft tokens per decode row, sampled from the draft under each row's sampling parameters.
 
-    -> (Proposal(i32[B, k], q f32[B, k, Vd], q_vocab=vocab), the draft's cache). Row b writes
-    only its first `num_draft[b] + 1` tokens (t0, d_1 .. d_num_draft); positions past that
+    -> (Proposal(i32[R, k], q f32[R, k, Vd], q_vocab=vocab), the draft's cache). Row r writes
+    only its first `num_draft[r] + 1` tokens (t0, d_1 .. d_num_draft); positions past that
     are never written.
-    `keys`: key[B], the row's draft randomness; draft j uses fold_in(key, j).
+    `keys`: key[R], the row's draft randomness; draft j uses fold_in(key, j).
     """
-    b = batch.lengths.shape[0]
-    slots = jnp.arange(b, dtype=jnp.int32)
-    current = batch.decode_tokens  # i32[B]
+    slots = batch.decode_slots
+    lengths, sampling = decode_rows(batch)  # i32[R], [R]
+    current = batch.decode_tokens  # i32[R]
     tokens, probs = [], []
     for j in range(k + 1 if separate else k):
-        group = TokenGroup(tokens=current[:, None], positions=(batch.lengths + j)[:, None], slots=slots,
+        group = TokenGroup(tokens=current[:, None], positions=(lengths + j)[:, None], slots=slots,
                            num_new=(batch.decode_active & (j <= num_draft)).astype(jnp.int32),
                            logits_index=jnp.zeros_like(slots), by_replica=True)
         extra = prefill_groups(batch) if separate and j == 0 else ()  # keep the draft's pages complete
@@ -48,7 +48,7 @@ def propose_with_model(
         if j == k:  # the extra forward only wrote d_k's K/V
             break
         step_keys = jax.vmap(lambda key: jax.random.fold_in(key, j))(keys)
-        index, q = sample_draft(logits[0], batch.sampling, step_keys)  # i32[B], f32[B, Vd]
+        index, q = sample_draft(logits[0], sampling, step_keys)  # i32[R], f32[R, Vd]
         # A head over a subset: its index maps back to a token id; q stays over the subset
         # (`verify.full_vocab_q` widens it to the vocabulary only when some row samples).
         if vocab is not None:

@@ -33,12 +33,11 @@ from flax import struct
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_hidden
-from jaxinfer.sampling import row_keys
 from jaxinfer.speculative.drafts.propose import sample_draft
 from jaxinfer.speculative.eagle.head import EagleParams, head_inputs
-from jaxinfer.speculative.step import SpeculativeOutput
+from jaxinfer.speculative.step import SpeculativeOutput, speculation_keys, verify_block
 from jaxinfer.speculative.verify import Proposal, verify_step
-from jaxinfer.step import StepBatch, bucket_view, prefill_groups, sample_prefill
+from jaxinfer.step import StepBatch, bucket_view, decode_rows, prefill_groups
 
 
 @struct.dataclass
@@ -51,13 +50,13 @@ class EagleState:
 
 @struct.dataclass
 class EagleBatch:
-    """What the host tells the step about drafting (`Engine._draft_batch`)."""
+    """What the host tells the step about drafting (`Engine._draft_batch`), per decode row."""
 
-    num_draft: jax.Array  # i32[max_slots]: drafts to verify per decoding slot (0 = plain decode)
-    # i32[max_slots, k + 1]: the tokens after the carried features, left-aligned: the slot's
+    num_draft: jax.Array  # i32[R]: drafts to verify per decode row (0 = plain decode)
+    # i32[R, k + 1]: the tokens after the carried features, left-aligned: the row's request's
     # last `carried` tokens (its pending token last)
     head_tokens: jax.Array
-    carried: jax.Array  # i32[max_slots]: carried pairs per slot (0: none, the slot cannot draft)
+    carried: jax.Array  # i32[R]: carried pairs per row (0: none, the row cannot draft)
     prefill_carried: jax.Array | None = None  # bool[P]: the prefill row continues a carried feature
 
     @property
@@ -79,28 +78,31 @@ def _head_forward(head: EagleParams, embed: jax.Array, lm_head: jax.Array, confi
 def propose_eagle(head: EagleParams, embed: jax.Array, lm_head: jax.Array, vocab: jax.Array, config: ModelConfig,
                   state: EagleState, tables: jax.Array, batch: StepBatch, drafts: EagleBatch, num_draft: jax.Array,
                   keys: jax.Array, attention_impl: str) -> tuple[Proposal, PagedKVState]:
-    """k drafts per slot: the carried pairs in one block, then k - 1 pairs of the head's
-    own predictions -> (Proposal(i32[B, k], q f32[B, k, Vd] over `vocab`), the head's cache).
-    `tables` i32[B, width]: the target's block tables (the head's pages share their ids)."""
-    b, k = num_draft.shape[0], drafts.width
-    slots = jnp.arange(b, dtype=jnp.int32)
-    carried = jnp.where(batch.decode_active, drafts.carried, 0)  # i32[B]
-    start = batch.lengths - carried  # head position of the first carried pair
-    hkv = dataclasses.replace(state.kv, block_tables=tables, lengths=start)
+    """k drafts per decode row: the carried pairs in one block, then k - 1 pairs of the
+    head's own predictions -> (Proposal(i32[R, k], q f32[R, k, Vd] over `vocab`), the head's
+    cache). `tables` i32[max_slots, width]: the target's block tables (the head's pages share
+    their ids)."""
+    k, slots = drafts.width, batch.decode_slots
+    lengths, sampling = decode_rows(batch)  # i32[R], [R]
+    carried = jnp.where(batch.decode_active, drafts.carried, 0)  # i32[R]
+    start = lengths - carried  # head position of the first carried pair
+    hkv = dataclasses.replace(state.kv, block_tables=tables, lengths=batch.lengths.at[
+        jnp.where(batch.decode_active, slots, batch.lengths.shape[0])].set(start, mode="drop"))
     group = TokenGroup(tokens=drafts.head_tokens, positions=start[:, None] + jnp.arange(k + 1, dtype=jnp.int32),
                        slots=slots, num_new=carried, logits_index=jnp.maximum(carried - 1, 0), by_replica=True)
-    logits, hidden, hkv = _head_forward(head, embed, lm_head, config, hkv, group, state.features, attention_impl)
-    feature = jnp.take_along_axis(hidden, jnp.maximum(carried - 1, 0)[:, None, None], axis=1)  # [B, 1, D]
+    logits, hidden, hkv = _head_forward(head, embed, lm_head, config, hkv, group, state.features[slots],
+                                        attention_impl)
+    feature = jnp.take_along_axis(hidden, jnp.maximum(carried - 1, 0)[:, None, None], axis=1)  # [R, 1, D]
     tokens, probs = [], []
     for j in range(k):
         step_keys = jax.vmap(lambda key: jax.random.fold_in(key, j))(keys)
-        index, q = sample_draft(logits, batch.sampling, step_keys)  # i32[B], f32[B, Vd]
+        index, q = sample_draft(logits, sampling, step_keys)  # i32[R], f32[R, Vd]
         tokens.append(vocab[index])
         probs.append(q)
         if j == k - 1:
             break
         # pair (f'_{L+j}, d_{j+1}) at position L + j drafts d_{j+2}; only rows that verify it write
-        group = TokenGroup(tokens=tokens[-1][:, None], positions=(batch.lengths + j)[:, None], slots=slots,
+        group = TokenGroup(tokens=tokens[-1][:, None], positions=(lengths + j)[:, None], slots=slots,
                            num_new=(batch.decode_active & (j + 1 < num_draft)).astype(jnp.int32),
                            logits_index=jnp.zeros_like(slots), by_replica=True)
         logits, feature, hkv = _head_forward(head, embed, lm_head, config, hkv, group, feature, attention_impl)
@@ -129,9 +131,12 @@ def _prefill_pairs(head: EagleParams, embed: jax.Array, lm_head: jax.Array, conf
 
 def _carry(features: jax.Array, batch: StepBatch, block_hidden: jax.Array, prefill_hidden: jax.Array | None
            ) -> jax.Array:
-    """The features each slot carries: its verify block's (decoding slots) or its prefill
-    chunk's last (prefilled slots); other slots keep theirs. -> f[B, k + 1, D]"""
-    new = jnp.where(batch.decode_active[:, None, None], block_hidden.astype(features.dtype), features)
+    """The features each slot carries: its verify block's (decoding slots: `block_hidden`
+    [R, k + 1, D] by row) or its prefill chunk's last (prefilled slots); other slots keep
+    theirs. -> f[max_slots, k + 1, D]"""
+    b = features.shape[0]
+    new = features.at[jnp.where(batch.decode_active, batch.decode_slots, b)].set(
+        block_hidden.astype(features.dtype), mode="drop")
     if prefill_hidden is None:
         return new
     p = batch.prefill
@@ -160,23 +165,16 @@ def eagle_step(
     carry the features; donates both caches. Outputs as `speculative_step`'s."""
     kept = (kv.block_tables, kv.lengths)
     kv = bucket_view(kv, batch)
-    decoding = batch.decode_active & (drafts.carried > 0)
-    num_draft = jnp.where(decoding, drafts.num_draft, 0)  # i32[B]
-    k = drafts.width
-    verify_keys, draft_keys = jnp.moveaxis(  # two independent streams per row (as in `speculative_step`)
-        jax.vmap(jax.random.split)(row_keys(batch.sampling.seed, batch.lengths + 1)), 1, 0)
+    lengths, sampling = decode_rows(batch)  # i32[R], [R]
+    num_draft = jnp.where(batch.decode_active & (drafts.carried > 0), drafts.num_draft, 0)  # i32[R]
+    verify_keys, draft_keys = speculation_keys(sampling, lengths)
 
     proposal, hkv = propose_eagle(head, params.embed, head_lm, vocab, head_config, state, kv.block_tables, batch, drafts,
                                   num_draft, draft_keys, attention_impl)
-    slots = jnp.arange(batch.lengths.shape[0], dtype=jnp.int32)
-    block = TokenGroup(
-        tokens=jnp.concatenate([batch.decode_tokens[:, None], proposal.tokens], axis=1),  # i32[B, k + 1]
-        positions=batch.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32), slots=slots,
-        num_new=jnp.where(batch.decode_active, 1 + num_draft, 0), by_replica=True,
-    )
-    logits, hidden, kv = forward_hidden(params, config, kv, (block,) + prefill_groups(batch), attention_impl)
-    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, batch.sampling, verify_keys)
-    prefill_next = sample_prefill(logits, batch, kv.lengths)
+    logits, hidden, kv = forward_hidden(params, config, kv, (verify_block(batch, proposal, num_draft),)
+                                        + prefill_groups(batch), attention_impl)
+    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, sampling, verify_keys)
+    out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths)
     prefill_hidden = None
     if batch.prefill is not None:
         prefill_hidden = hidden[1]
@@ -184,6 +182,4 @@ def eagle_step(
                              state.features, attention_impl)
     state = EagleState(kv=dataclasses.replace(hkv, block_tables=state.kv.block_tables, lengths=state.kv.lengths),
                        features=_carry(state.features, batch, hidden[0], prefill_hidden))
-    kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
-    return kv, state, SpeculativeOutput(tokens=tokens, num_accepted=num_accepted, prefill_tokens=prefill_next,
-                                        logits=logits[0], prefill_logits=logits[1] if batch.prefill is not None else None)
+    return dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1]), state, out
