@@ -789,8 +789,8 @@ class Engine:
 
     def _batch(self, plan: SchedulePlan, draft_width: int = 0) -> tuple[StepBatch, list[int]]:
         """The step's batch, and the decode row of each of `plan.decode`'s requests: row b =
-        slot b at max_slots rows (mesh replicas rely on it), else
-        the requests in order, the idle rows after them."""
+        slot b at max_slots rows (mesh replicas rely on it), else the requests in order, the
+        idle rows after them."""
         b = self.spec.max_slots
         width, num_rows = self._shape(max(len(r.pages) for r in self.scheduler.running), len(plan.decode),
                                       bool(plan.prefill), draft_width)
