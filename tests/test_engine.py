@@ -185,28 +185,41 @@ def test_decode_rows_shrink_to_the_requests_decoding_and_change_no_token(model):
     expected = full.generate(ps, sp)
     eng = engine(model, max_slots=8, decode_row_buckets=(1, 4))
     assert eng.decode_row_buckets == [1, 4, 8]
-    steps, shared = [], []  # shared: an idle row points at a slot an active row decodes
-    dispatch = eng._dispatch
-
-    def record(i, batch, *rest):
-        steps.append((batch.prefill is not None, len(batch.decode_active), int(batch.decode_active.sum())))
-        n = steps[-1][2]
-        shared.append(any(n <= slot < len(batch.decode_slots) for slot in batch.decode_slots[:n]))
-        return dispatch(i, batch, *rest)
-
-    eng._dispatch = record
+    dispatched = record_dispatches(eng)
     outs = eng.generate(ps, sp)
-    for out, ref in zip(outs, expected):
-        assert out.token_ids == ref.token_ids
-        if ref.logprobs is not None:
-            np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
-            assert [[t for t, _ in top] for top in out.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
+    assert_same_outputs(outs, expected)
+    steps = [(batch.prefill is not None, len(batch.decode_active), int(batch.decode_active.sum()))
+             for batch, _ in dispatched]
+    # an idle row points at a slot an active row decodes
+    shared = [any(n <= slot < rows for slot in batch.decode_slots[:n])
+              for (batch, _), (_, rows, n) in zip(dispatched, steps)]
     decode_only = [(rows, n) for prefill, rows, n in steps if not prefill]
     assert {rows for rows, _ in decode_only} == {1, 4, 8}
     assert all(rows == min(r for r in (1, 4, 8) if r >= n) for rows, n in decode_only)
     assert all(rows == 8 for prefill, rows, _ in steps if prefill)
     assert any(shared)  # so idle rows must not return tokens for their slot
     assert eng.metrics().compiled_programs <= len(eng.program_keys()) + 1  # + the block-table update
+
+
+def record_dispatches(eng: Engine) -> list[tuple]:
+    """(batch, drafts) of every step `eng` dispatches from now on."""
+    steps, dispatch = [], eng._dispatch
+
+    def record(i, batch, drafts, *rest):
+        steps.append((batch, drafts))
+        return dispatch(i, batch, drafts, *rest)
+
+    eng._dispatch = record
+    return steps
+
+
+def assert_same_outputs(outs, expected) -> None:
+    """Tokens equal, logprobs within 1e-5 and the same top alternatives, request by request."""
+    for out, ref in zip(outs, expected, strict=True):
+        assert out.token_ids == ref.token_ids
+        if ref.logprobs is not None:
+            np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+            assert [[t for t, _ in top] for top in out.top_logprobs] == [[t for t, _ in top] for top in ref.top_logprobs]
 
 
 def test_decode_row_buckets_are_validated_and_kept_full_where_rows_are_slots(model):
