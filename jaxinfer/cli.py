@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 discourages every token already in the prompt or output (1 = off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
     gen.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
@@ -194,7 +198,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from jaxinfer.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                            presence_penalty=args.presence_penalty)
     prompts = _read_prompts(args)
     speculative = _speculative(args)
     mesh = _mesh(args)

@@ -31,6 +31,7 @@ MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform to float32 pr
 # request with thousands of them would slow every other request: they are capped.
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries of `logit_bias` (OpenAI allows 300)
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # `SamplingParams.output_kind`
@@ -52,6 +53,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     speculative: bool = True  # False: never use draft tokens (when the engine speculates)
+    # Penalties and bias on the raw logits (`jaxinfer.penalties`; not with speculative decoding)
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages every token of the prompt and output (HF)
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus f x times the token appeared in the output
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus p once the token appeared in the output
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()  # {token id: added to its logit, in [-100, 100]}
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
     # What each `RequestOutput` of the request holds (vLLM's RequestOutputKind): "cumulative"
     # (everything so far), "delta" (token_ids / text / logprobs: only what is new since the
@@ -80,6 +86,20 @@ class SamplingParams:
         _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids) and len(ids) <= MAX_STOP_TOKEN_IDS,
                f"stop_token_ids={self.stop_token_ids!r} must be at most {MAX_STOP_TOKEN_IDS} integers in [0, 2**31 - 1]")
         _check(isinstance(self.speculative, bool), f"speculative={self.speculative!r} must be a bool")
+        _check(_is_real(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE,
+               f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, {MAX_TEMPERATURE:g}] (1 = off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2 <= value <= 2, f"{name}={value!r} must be a number in [-2, 2]")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((token, value) for token, value in bias))
+        except (TypeError, ValueError):
+            bias = None
+        _check(bias is not None and len(bias) <= MAX_LOGIT_BIAS
+               and all(_is_int(t) and 0 <= t <= INT32_MAX and _is_real(v) and -100 <= v <= 100 for t, v in bias)
+               and len({t for t, _ in bias}) == len(bias),
+               f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100], got {str(self.logit_bias)[:200]}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
         _check(self.output_kind in OUTPUT_KINDS, f"output_kind={self.output_kind!r} must be one of {OUTPUT_KINDS}")
@@ -87,10 +107,17 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """The request changes its logits before sampling (penalties or bias)."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+                or bool(self.logit_bias))
 
 
 def _check(ok: bool, message: str) -> None:

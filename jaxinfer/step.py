@@ -30,6 +30,7 @@ from flax import struct
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
+from jaxinfer.penalties import PenaltyState, count_fed, penalize
 from jaxinfer.sampling import SamplingArrays, TokenLogprobs, sample_tokens, token_logprobs
 
 
@@ -66,14 +67,15 @@ class StepOutput:
     prefill_logits: jax.Array | None  # f32[P, V]
 
 
-JIT_OPTIONS = dict(static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))
+JIT_OPTIONS = dict(static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv", "penalties"))
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
 def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch,
-                attention_impl: str = "reference", mesh: jax.sharding.Mesh | None = None
-                ) -> tuple[PagedKVState, StepOutput]:
-    """Run every scheduled token through the model and sample; donates `kv`.
+                attention_impl: str = "reference", mesh: jax.sharding.Mesh | None = None,
+                penalties: PenaltyState | None = None,
+                ) -> tuple[PagedKVState, StepOutput, PenaltyState | None]:
+    """Run every scheduled token through the model and sample; donates `kv` (and `penalties`).
 
     Lengths come from the host in `batch`, the block tables are the state's own (their
     first `batch.width` columns, `bucket_view`); the returned state keeps the full tables
@@ -84,6 +86,9 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     preemption. The logits come back with the tokens, so that `step_logprobs` can give each
     token its logprob and top alternatives when a request asks for them. On a mesh
     (`jaxinfer.sharding.shard_engine`), `mesh` is the one params and cache are sharded on.
+    With `penalties` (some request of the batch asked for them), each decode row's token
+    is counted into its slot's history and the rows' logits are penalized before sampling
+    (`jaxinfer.penalties`); the updated history comes back third.
     """
     kept = (kv.block_tables, kv.lengths)  # returned untouched: the engine updates both
     kv = bucket_view(kv, batch)
@@ -93,9 +98,11 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
         num_new=batch.decode_active.astype(jnp.int32), logits_index=jnp.zeros_like(slots), by_replica=True,
     )
     logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl, mesh)
-    out = sample_rows(logits, batch, kv.lengths)
+    if penalties is not None:
+        penalties = count_fed(penalties, slots, batch.decode_tokens, batch.lengths[slots], batch.decode_active)
+    out = sample_rows(logits, batch, kv.lengths, penalties)
     kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
-    return kv, out
+    return kv, out, penalties
 
 
 def bucket_view(kv: PagedKVState, batch: StepBatch) -> PagedKVState:
@@ -104,16 +111,20 @@ def bucket_view(kv: PagedKVState, batch: StepBatch) -> PagedKVState:
     return dataclasses.replace(kv, block_tables=kv.block_tables[:, : batch.width], lengths=batch.lengths)
 
 
-def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array) -> StepOutput:
+def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: jax.Array,
+                penalties: PenaltyState | None = None) -> StepOutput:
     """Sample the next token of every decode row (`logits[0]`: f32[R, V]) and prefill row
     (`logits[1]`: f32[P, V]) in one pass over the R + P rows: one filtering program instead
     of two (most of the step's compile time beside the layers). A row is keyed like a
-    decode token of its slot."""
+    decode token of its slot. The output keeps the raw logits (penalties change only what
+    is sampled)."""
     r = logits[0].shape[0]
     slots, rows = batch.decode_slots, logits[0]  # of each row sampled: i32[R (+ P)], f32[R (+ P), V]
     if batch.prefill is not None:
         slots, rows = jnp.concatenate([slots, batch.prefill.slots]), jnp.concatenate(logits)
     sampling = jax.tree.map(lambda a: a[slots], batch.sampling)
+    if penalties is not None:
+        rows = penalize(rows, penalties, slots)
     tokens = sample_tokens(rows, sampling, new_lengths[slots])  # i32[R + P]
     by_slot = rows_by_slot(tokens[:r], batch)
     if batch.prefill is None:

@@ -123,6 +123,10 @@ def check_meshes() -> dict:
     out["kv_formats"] = {fmt: {"ref": engine_tokens(model, None, kv_cache=fmt), "mesh": engine_tokens(model, mesh, kv_cache=fmt)}
                          for fmt in ("int8", "int4")}
     out["speculative"] = {name: engine_tokens(model, mesh, speculative=sc) for name, sc in speculative_sources().items()}
+    penalized = [SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.5, frequency_penalty=1.0,
+                                logit_bias={3: 2.0}), SamplingParams(max_tokens=6, temperature=0)] * (len(PROMPTS) // 2 + 1)
+    out["penalties"] = {name: [list(o.token_ids) for o in tiny_engine(model, m).generate(PROMPTS, penalized[:len(PROMPTS)])]
+                        for name, m in (("ref", None), ("mesh", mesh))}
     out["variants"] = check_variants()
     out["rings"] = check_rings()
     out["scan"] = check_scan(model, mesh)
@@ -255,8 +259,8 @@ def check_pool_layout(model: Model) -> dict:
             in_own_replica &= all(p in s.allocators[s.replica_of(req.slot)].pages for p in req.pages)
     batch = engine._place(engine._idle_batch(engine.context_buckets[0], True, engine.config.max_slots))
     m = engine.model
-    params_in, kv_in, batch_in = engine._step.lower(m.params, m.config, engine.kv, batch, "reference",
-                                                    mesh).compile().input_shardings[0]
+    params_in, kv_in, batch_in, _ = engine._step.lower(m.params, m.config, engine.kv, batch, "reference",
+                                                       mesh, None).compile().input_shardings[0]
     return {"prefill_rows": int(batch.prefill.tokens.shape[0]),
             "prefill_in_spec": list(batch_in.prefill.tokens.spec), "k_in_spec": list(kv_in.layers[0].k.spec),
             "prefill_shard_shape": list(batch.prefill.tokens.addressable_shards[0].data.shape),

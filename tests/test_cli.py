@@ -21,7 +21,8 @@ def test_help_lists_the_commands():
     out = jaxinfer("--help").stdout
     assert "generate" in out and "convert" in out and "SmolLM2" in out
     gen_help = jaxinfer("generate", "--help").stdout
-    for flag in ("--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--stop", "--raw"):
+    for flag in ("--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--stop", "--raw",
+                 "--repetition-penalty", "--frequency-penalty", "--presence-penalty"):
         assert flag in gen_help
 
 
@@ -41,6 +42,11 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
     assert speculative.stdout == from_gguf.stdout
     asynchronous = jaxinfer("generate", "--model", str(dst), "--async-scheduling", *args)
     assert asynchronous.stdout == from_gguf.stdout
+    penalized = jaxinfer("generate", "--model", str(dst), "--temperature", "0", "--repetition-penalty", "1.3",
+                         "--max-tokens", "40", "Repeat the word 'cat' many times.")
+    plain = jaxinfer("generate", "--model", str(dst), "--temperature", "0", "--max-tokens", "40",
+                     "Repeat the word 'cat' many times.")
+    assert penalized.stdout.strip() and penalized.stdout != plain.stdout
 
 
 def test_bad_input_exits_with_a_clear_message(tmp_path):
@@ -50,6 +56,8 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     assert bad_temp.returncode == 2 and "temperature" in bad_temp.stderr
     bad_draft = jaxinfer("generate", "--speculative", "medusa", "hi", check=False)
     assert bad_draft.returncode == 2 and "--speculative 'medusa'" in bad_draft.stderr
+    bad_penalty = jaxinfer("generate", "--frequency-penalty", "3", "hi", check=False)
+    assert bad_penalty.returncode == 2 and "frequency_penalty" in bad_penalty.stderr
     both = jaxinfer("generate", "--async-scheduling", "--speculative", "ngram", "hi", check=False)
     assert both.returncode == 2 and "async_scheduling" in both.stderr and "Traceback" not in both.stderr
 

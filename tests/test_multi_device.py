@@ -109,6 +109,13 @@ def test_greedy_speculation_on_a_mesh_equals_plain_decoding(meshes, source):
     assert meshes["speculative"][source] == meshes["ref_tokens"]
 
 
+def test_penalties_on_a_mesh_equal_single_device(meshes):
+    """Penalized and plain requests side by side on data=2,model=4: the replicated penalty
+    histories give the single-device tokens."""
+    assert meshes["penalties"]["mesh"] == meshes["penalties"]["ref"]
+    assert meshes["penalties"]["ref"][0] != meshes["ref_tokens"][0]  # the penalties changed something
+
+
 @pytest.mark.parametrize("variant", ["window", "streaming", "mla", "gpt_oss"])
 def test_attention_variants_on_a_mesh_equal_one_device(meshes, variant):
     assert meshes["variants"][variant]["mesh"] == meshes["variants"][variant]["ref"]

@@ -190,6 +190,11 @@ BAD = [
      "top_logprobs", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}}, "top_logprobs",
      "/v1/chat/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "frequency_penalty": 2.5}}, "frequency_penalty", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "repetition_penalty": 0}}, "repetition_penalty", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "logit_bias": {"12": 150}}}, "logit_bias", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "logit_bias": {"a": 1}}}, "logit_bias", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "logit_bias": {"99999999": 1}}}, "logit_bias", "/v1/completions"),
     ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
@@ -210,6 +215,28 @@ def test_errors_have_openai_shape_and_disturb_nothing(srv, model):
     assert "".join(e["choices"][0]["text"] for e in events) == want
     r = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": "still fine", "max_tokens": 2}, timeout=T)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_penalties_and_logit_bias_equal_engine(srv, client, model):
+    """OpenAI's frequency / presence penalties and logit_bias (string token-id keys), and
+    vLLM's repetition_penalty, reach the engine unchanged; requests without them beside
+    them are untouched."""
+    prompt, tok = "Say it again and again and again", model.tokenizer
+    ids = tok.encode(prompt)
+    bias_token = tok.encode(" again", add_special_tokens=False)[0]
+    cases = [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(extra_body={"repetition_penalty": 1.4}),
+             dict(logit_bias={str(bias_token): 100})]
+    for kwargs in cases:
+        extra = kwargs.pop("extra_body", {})
+        bias = {int(t): v for t, v in kwargs.pop("logit_bias", {}).items()}
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias, **kwargs, **extra)
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True} | extra, **kwargs,
+                                      **({"logit_bias": {str(t): v for t, v in bias.items()}} if bias else {}))
+        assert r.choices[0].text == engine_text(model, ids, params)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(bias_token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode([bias_token] * 4)
 
 
 def test_auth(small):

@@ -47,6 +47,7 @@ from jaxinfer.layer_stack import LayerStack, entry_pytrees
 from jaxinfer.loading import Model
 from jaxinfer.model.params import with_gemm_weights
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
+from jaxinfer.penalties import PenaltyState, init_penalty_state, set_slot, slot_history
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.speculative.checkpoint import load_trained_draft
@@ -64,8 +65,8 @@ logger = logging.getLogger(__name__)
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
 
 # A step program: (context bucket width, with a prefill group, draft block width (0 = the plain
-# step), decode rows)
-ProgramKey = tuple[int, bool, int, int]
+# step), decode rows, with penalties)
+ProgramKey = tuple[int, bool, int, int, bool]
 
 
 @dataclasses.dataclass
@@ -177,6 +178,9 @@ class Engine:
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._steps = 0
+        # the requests' token histories for penalties and logit bias, made at the first request
+        # that asks for either (`_penalty_rows`)
+        self.penalties: PenaltyState | None = None
         self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step not read yet
         self._recent_logits: dict[int, tuple] = {}  # step index -> what `_logprobs` needs (the last two steps)
         # the last plain step's tokens on the device, for `feed_decode_tokens`
@@ -274,6 +278,8 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         ids = self._encode(prompt, chat)
+        if params.penalized:
+            self._check_penalties(params)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
@@ -286,6 +292,19 @@ class Engine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
+
+    def _check_penalties(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: the engine and the vocabulary."""
+        name = next(n for n, neutral in (("repetition_penalty", 1), ("frequency_penalty", 0), ("presence_penalty", 0),
+                                          ("logit_bias", ())) if getattr(params, n) != neutral)
+        if self.config.speculative is not None:
+            raise ValueError(f"{name} is not supported with speculative decoding (nor are the other penalties)")
+        if self._channel is not None:
+            raise ValueError(f"{name} is not supported yet on a mesh spanning several processes")
+        vocab = self.model.config.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _peak_pages(self, tokens: int) -> int:
         """Most pages a request of `tokens` tokens holds at once: fewer than its length needs
@@ -477,7 +496,8 @@ class Engine:
     def _launch(self, plan: SchedulePlan, drafts: DraftBatch | EagleBatch | None) -> LaunchedStep:
         """Build the step's batch and dispatch its program (not waiting for it). Across
         processes, the followers run it too."""
-        batch, rows = self._batch(plan, draft_width(drafts))
+        penalized = self._penalty_rows(plan)
+        batch, rows = self._batch(plan, draft_width(drafts), penalized)
         if drafts is not None:
             drafts = drafts_by_row(drafts, rows, len(batch.decode_tokens))
         feed = self._feed(plan, rows, len(batch.decode_tokens))
@@ -485,11 +505,29 @@ class Engine:
         self._steps += 1
         if self._channel is not None:
             self._channel.publish(("run", self._steps, batch, drafts, feed, updates))
-        return LaunchedStep(plan, drafts, self._steps, self._dispatch(self._steps, batch, drafts, feed, updates),
-                            [r.slot for r in plan.decode], rows)
+        outputs = self._dispatch(self._steps, batch, drafts, feed, updates, penalized)
+        return LaunchedStep(plan, drafts, self._steps, outputs, [r.slot for r in plan.decode], rows)
+
+    def _penalty_rows(self, plan: SchedulePlan) -> bool:
+        """Write the penalty history of each request admitted since the last step into its
+        slot (neutral for requests without penalties, once any request had them); True when
+        a request of `plan` has penalties, so the step runs a program that applies them."""
+        admitted = self.scheduler.take_admitted()
+        if self.penalties is None and any(r.params.penalized for r in admitted):
+            state = init_penalty_state(self.spec.max_slots, self.model.config.vocab_size)
+            self.penalties = self._commit(state) if self.config.mesh is None else jax.tree.map(
+                lambda a: sharding.put(np.asarray(a), sharding.replicated(self.config.mesh)), state)
+        if self.penalties is not None:
+            vocab = self.model.config.vocab_size
+            for req in admitted:
+                p = req.params
+                row = slot_history(vocab, req.prompt, req.generated, p.repetition_penalty, p.frequency_penalty,
+                                   p.presence_penalty, p.logit_bias)
+                self.penalties = self._compiles.call(set_slot, self.penalties, np.int32(req.slot), row)
+        return any(r.params.penalized for r in itertools.chain(plan.decode, (r for r, _ in plan.prefill)))
 
     def _dispatch(self, index: int, batch: StepBatch, drafts: DraftBatch | None, feed: np.ndarray | None,
-                  updates: list[TableUpdates]) -> tuple:
+                  updates: list[TableUpdates], penalized: bool = False) -> tuple:
         """Dispatch step `index`'s program -> its outputs, still on the device: (tokens i32[B]
         or i32[B, k + 1] by slot, accepted i32[B] or None, prefill tokens i32[P] or None, what
         `_logprobs` needs). `feed` i32[R]: decode rows whose token the previous step made; `updates`:
@@ -497,7 +535,7 @@ class Engine:
         for update in updates:
             tables = self._compiles.call(self._apply_tables, self.kv.block_tables, self._place_updates(update))
             self.kv = dataclasses.replace(self.kv, block_tables=tables)
-        key = program_key(batch, drafts)
+        key = program_key(batch, drafts, penalized)
         if self._compiler is not None and key not in self._ran:
             self._compiler.claim(key)  # compiled in the background already, or now, never twice
         elif key not in self._ran and key not in self._compiled and kernels_by_default(self.config.attention_impl):
@@ -506,9 +544,12 @@ class Engine:
             feed = np.full(batch.decode_tokens.shape, -1, np.int32) if feed is None else feed
             batch = dataclasses.replace(batch, decode_tokens=self._compiles.call(
                 feed_decode_tokens, batch.decode_tokens, feed, *self._previous_tokens))
-        fn, args = self._program(batch, drafts, self.kv, self.draft_kv, self.attention_impl(key))
+        fn, args = self._program(batch, drafts, self.kv, self.draft_kv, self.attention_impl(key),
+                                 self.penalties if penalized else None)
         if drafts is None:
-            self.kv, out = self._compiles.call(fn, *args)
+            self.kv, out, penalties = self._compiles.call(fn, *args)
+            if penalties is not None:
+                self.penalties = penalties
             device_tokens, accepted = out.decode_tokens, None  # i32[B]
             logits, row_tokens = out.decode_logits, out.decode_row_tokens  # f32[R, V], i32[R]
             prefill = self._no_prefill if out.prefill_tokens is None else out.prefill_tokens
@@ -580,14 +621,14 @@ class Engine:
         """Programs running the reference because a kernel failed to compile: key -> kernel name."""
         return dict(self._fallbacks)
 
-    def _program(self, batch: StepBatch, drafts: DraftBatch | None, kv, draft_kv,
-                 impl: str | None = None) -> tuple[jax.stages.Wrapped, tuple]:
+    def _program(self, batch: StepBatch, drafts: DraftBatch | None, kv, draft_kv, impl: str | None = None,
+                 penalties: PenaltyState | None = None) -> tuple[jax.stages.Wrapped, tuple]:
         """The jitted step for `batch` with attention `impl` (default: the config's) and its
         positional arguments (jit refuses keywords next to in_shardings: `sharding.shard_engine`)."""
         m, c = self.model, self.config
         impl = c.attention_impl if impl is None else impl
         if drafts is None:
-            return self._step, (m.params, m.config, kv, self._place(batch), impl, c.mesh)
+            return self._step, (m.params, m.config, kv, self._place(batch), impl, c.mesh, penalties)
         d = self.draft
         if isinstance(drafts, EagleBatch):
             return eagle_step, (m.params, m.config, kv, self._place(batch), drafts, d.params, d.lm_head,
@@ -673,8 +714,8 @@ class Engine:
             drafts = self.draft_widths + ([0] if self.config.speculative.method == "ngram" else [])
         buckets, full = self.context_buckets, self.config.max_slots
         order = [buckets[0]] + ([buckets[-1]] if len(buckets) > 1 else []) + buckets[1:-1]
-        keys = [(w, prefill, d, full) for w in order for prefill in (True, False) for d in drafts]
-        return keys + [(w, False, d, r) for w in order for r in self.decode_row_buckets if r < full for d in drafts]
+        keys = [(w, prefill, d, full, False) for w in order for prefill in (True, False) for d in drafts]
+        return keys + [(w, False, d, r, False) for w in order for r in self.decode_row_buckets if r < full for d in drafts]
 
     def warmup(self) -> int:
         """Compile every program traffic can need (`program_keys`) now; returns how many.
@@ -731,7 +772,7 @@ class Engine:
         placements), so this may run while `step` donates the real ones."""
         if key in self._ran or key in self._compiled:
             return
-        width, with_prefill, draft_width, decode_rows = key
+        width, with_prefill, draft_width, decode_rows, penalized = key
         b = decode_rows
         drafts = None if draft_width == 0 else DraftBatch(tokens=np.zeros((b, draft_width), np.int32),
                                                           num_draft=np.zeros(b, np.int32))
@@ -744,15 +785,16 @@ class Engine:
         if self.config.async_scheduling:  # its decode tokens come from `feed_decode_tokens`, on the device
             batch = dataclasses.replace(batch, decode_tokens=self._replicated(batch.decode_tokens))
         draft_kv = None if self.draft_kv is None else abstract(self.draft_kv)
+        penalties = abstract(self.penalties) if penalized else None
         with self._compiles.attribute():
             try:
-                fn, args = self._program(batch, drafts, kv, draft_kv, self.attention_impl(key))
+                fn, args = self._program(batch, drafts, kv, draft_kv, self.attention_impl(key), penalties)
                 fn.lower(*args).compile()
             except Exception as err:  # noqa: BLE001 - only kernel programs fall back; others re-raise
                 if key in self._fallbacks or not kernels_by_default(self.config.attention_impl):
                     raise
                 self._fall_back(key, err)
-                fn, args = self._program(batch, drafts, kv, draft_kv, "reference")
+                fn, args = self._program(batch, drafts, kv, draft_kv, "reference", penalties)
                 fn.lower(*args).compile()
         self._compiled.add(key)
 
@@ -787,13 +829,13 @@ class Engine:
             prefill=self._idle_prefill() if with_prefill else None,
         )
 
-    def _batch(self, plan: SchedulePlan, draft_width: int = 0) -> tuple[StepBatch, list[int]]:
+    def _batch(self, plan: SchedulePlan, draft_width: int = 0, penalized: bool = False) -> tuple[StepBatch, list[int]]:
         """The step's batch, and the decode row of each of `plan.decode`'s requests: row b =
         slot b at max_slots rows (mesh replicas rely on it), else the requests in order, the
         idle rows after them."""
         b = self.spec.max_slots
         width, num_rows = self._shape(max(len(r.pages) for r in self.scheduler.running), len(plan.decode),
-                                      bool(plan.prefill), draft_width)
+                                      bool(plan.prefill), draft_width, penalized)
         lengths = np.zeros(b, np.int32)
         params: list[SamplingParams] = [SamplingParams(temperature=0)] * b
         seeds = [0] * b
@@ -820,7 +862,8 @@ class Engine:
             sampling=SamplingArrays.from_params(params, seeds), prefill=prefill,
         ), rows
 
-    def _shape(self, pages: int, decoding: int, with_prefill: bool, draft_width: int) -> tuple[int, int]:
+    def _shape(self, pages: int, decoding: int, with_prefill: bool, draft_width: int,
+               penalized: bool = False) -> tuple[int, int]:
         """(context bucket, decode rows) of the step's program. Attention gathers `width`
         pages per row: the smallest bucket that holds `pages` (so short contexts do not pay
         for max_model_len); the decode group has the fewest rows that hold `decoding`
@@ -833,7 +876,7 @@ class Engine:
         if self._compiler is not None:
             for w in fits:
                 for r in rows:
-                    key = (w, with_prefill, draft_width, r)
+                    key = (w, with_prefill, draft_width, r, penalized)
                     if key in self._ran or self._compiler.compiled(key):
                         return w, r
         return fits[0], rows[0]
@@ -941,9 +984,9 @@ def drafts_by_row(drafts: DraftBatch | EagleBatch, rows: list[int], num_rows: in
     return dataclasses.replace(drafts, **{f: lay_out(getattr(drafts, f)) for f in fields})
 
 
-def program_key(batch: StepBatch, drafts: DraftBatch | None) -> ProgramKey:
-    """Which program runs `batch` with `drafts`."""
-    return (batch.width, batch.prefill is not None, draft_width(drafts), batch.decode_tokens.shape[0])
+def program_key(batch: StepBatch, drafts: DraftBatch | None, penalized: bool = False) -> ProgramKey:
+    """Which program runs `batch` with `drafts` (and penalties)."""
+    return (batch.width, batch.prefill is not None, draft_width(drafts), batch.decode_tokens.shape[0], penalized)
 
 
 def _logprob_at(lp: TokenLogprobs, row: int, j: int, n: int) -> tuple[float, list[tuple[int, float]]]:

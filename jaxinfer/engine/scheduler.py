@@ -91,6 +91,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         # slots whose page list changed since `take_changed_rows` (the engine's device tables follow)
         self.changed_slots: set[int] = set()
+        self.admitted: list[Request] = []  # requests given a slot since `take_admitted`
 
     @property
     def allocator(self) -> PageAllocator:
@@ -147,6 +148,12 @@ class Scheduler:
         rows = [(slot, holder.get(slot, [])) for slot in sorted(self.changed_slots)]
         self.changed_slots.clear()
         return rows
+
+    def take_admitted(self) -> list[Request]:
+        """Requests admitted to a slot since the last call that still hold it, in admission
+        order (what slot-indexed device state must be set for: `jaxinfer.penalties`)."""
+        admitted, self.admitted = self.admitted, []
+        return [r for r in admitted if r.slot is not None]
 
     @property
     def has_work(self) -> bool:
@@ -237,6 +244,7 @@ class Scheduler:
             req.slot = slot
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.admitted.append(req)
 
     def _pick_slot(self, req: Request) -> int:
         """A free slot for `req`: in the replica whose pages hold the longest cached prefix of

@@ -112,9 +112,6 @@ class OpenAIServer:
         if body.max_tokens == 0 and not getattr(body, "echo", False):
             raise ErrorBody(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing generated)",
                             param="max_tokens")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(body, name):
-                raise ErrorBody(400, f"{name} is not supported by this server (only 0)", param=name)
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         if body.max_tokens == 0:

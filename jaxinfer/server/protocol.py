@@ -43,9 +43,10 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=-1)  # extra; -1 also means off (vLLM's convention)
     min_p: float = 0.0  # extra
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # an int64 or uint64; its low 32 bits seed the choice
-    # Not implemented: only their neutral value 0 is accepted (ignoring others would change outputs silently).
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = 1.0  # extra (vLLM's): HF's repetition penalty over prompt and output
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra
     ignore_eos: bool = False  # extra
@@ -62,7 +63,9 @@ class _Common(BaseModel):
         base = dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
                     min_p=self.min_p, max_tokens=max_tokens, stop=tuple(stop),
                     stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-                    logprobs=self.num_logprobs,
+                    logprobs=self.num_logprobs, frequency_penalty=self.frequency_penalty,
+                    presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                    logit_bias=self._logit_bias(),
                     output_kind="delta" if self.stream else "cumulative")  # a stream sends only what is new
         seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**32 for i in range(self.n)]
         return [SamplingParams(seed=s, **base) for s in seeds]
@@ -71,6 +74,14 @@ class _Common(BaseModel):
     def num_logprobs(self) -> int | None:
         """`SamplingParams.logprobs`: None (off) or the number of top alternatives."""
         return None
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI sends token ids as JSON object keys (strings)."""
+        try:
+            return {int(token): value for token, value in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError(f"logit_bias must map token ids (the JSON keys) to numbers, got keys {list(self.logit_bias)[:5]}"
+                             ) from None
 
     @property
     def salt(self) -> str | None:
