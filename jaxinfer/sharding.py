@@ -277,10 +277,11 @@ def shard_engine(model: Any, kv: Any, mesh: Mesh, max_slots: int, step: Callable
     params = shard_params(model.params, model.config, mesh)
     kv_sh = kv_shardings(kv, mesh)
     # penalty histories (`jaxinfer.penalties`, per slot) are replicated, like the sampled tokens
+    # they come back with
     fn = jax.jit(step.__wrapped__, static_argnames=("config", "attention_impl", "mesh"),
                  donate_argnames=("kv", "penalties"),
                  in_shardings=(shardings_of(params), kv_sh, by_replica(mesh), replicated(mesh)),
-                 out_shardings=(kv_sh, replicated(mesh), replicated(mesh)))
+                 out_shardings=(kv_sh, replicated(mesh)))
     return (dataclasses.replace(model, params=params), put(kv, kv_sh), fn,
             lambda batch: place_slots(batch, mesh))
 

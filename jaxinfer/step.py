@@ -65,6 +65,9 @@ class StepOutput:
     decode_logits: jax.Array  # f32[R, V]: per decode row
     decode_row_tokens: jax.Array  # i32[R]: the token each decode row sampled (`decode_tokens` by row)
     prefill_logits: jax.Array | None  # f32[P, V]
+    # the penalty histories after this step's tokens (`jaxinfer.penalties`), when the step was
+    # given them: pass them to the next step (they are donated there)
+    penalties: PenaltyState | None = None
 
 
 JIT_OPTIONS = dict(static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv", "penalties"))
@@ -74,7 +77,7 @@ JIT_OPTIONS = dict(static_argnames=("config", "attention_impl", "mesh"), donate_
 def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batch: StepBatch,
                 attention_impl: str = "reference", mesh: jax.sharding.Mesh | None = None,
                 penalties: PenaltyState | None = None,
-                ) -> tuple[PagedKVState, StepOutput, PenaltyState | None]:
+                ) -> tuple[PagedKVState, StepOutput]:
     """Run every scheduled token through the model and sample; donates `kv` (and `penalties`).
 
     Lengths come from the host in `batch`, the block tables are the state's own (their
@@ -88,7 +91,7 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     (`jaxinfer.sharding.shard_engine`), `mesh` is the one params and cache are sharded on.
     With `penalties` (some request of the batch asked for them), each decode row's token
     is counted into its slot's history and the rows' logits are penalized before sampling
-    (`jaxinfer.penalties`); the updated history comes back third.
+    (`jaxinfer.penalties`); the updated histories come back in `StepOutput.penalties`.
     """
     kept = (kv.block_tables, kv.lengths)  # returned untouched: the engine updates both
     kv = bucket_view(kv, batch)
@@ -102,7 +105,7 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
         penalties = count_fed(penalties, slots, batch.decode_tokens, batch.lengths[slots], batch.decode_active)
     out = sample_rows(logits, batch, kv.lengths, penalties)
     kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
-    return kv, out, penalties
+    return kv, out
 
 
 def bucket_view(kv: PagedKVState, batch: StepBatch) -> PagedKVState:
@@ -129,9 +132,9 @@ def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: ja
     by_slot = rows_by_slot(tokens[:r], batch)
     if batch.prefill is None:
         return StepOutput(decode_tokens=by_slot, prefill_tokens=None, decode_logits=logits[0],
-                          decode_row_tokens=tokens, prefill_logits=None)
+                          decode_row_tokens=tokens, prefill_logits=None, penalties=penalties)
     return StepOutput(decode_tokens=by_slot, prefill_tokens=tokens[r:], decode_logits=logits[0],
-                      decode_row_tokens=tokens[:r], prefill_logits=logits[1])
+                      decode_row_tokens=tokens[:r], prefill_logits=logits[1], penalties=penalties)
 
 
 def decode_rows(batch: StepBatch) -> tuple[jax.Array, SamplingArrays]:

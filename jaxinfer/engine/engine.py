@@ -547,9 +547,9 @@ class Engine:
         fn, args = self._program(batch, drafts, self.kv, self.draft_kv, self.attention_impl(key),
                                  self.penalties if penalized else None)
         if drafts is None:
-            self.kv, out, penalties = self._compiles.call(fn, *args)
-            if penalties is not None:
-                self.penalties = penalties
+            self.kv, out = self._compiles.call(fn, *args)
+            if out.penalties is not None:
+                self.penalties = out.penalties
             device_tokens, accepted = out.decode_tokens, None  # i32[B]
             logits, row_tokens = out.decode_logits, out.decode_row_tokens  # f32[R, V], i32[R]
             prefill = self._no_prefill if out.prefill_tokens is None else out.prefill_tokens
