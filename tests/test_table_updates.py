@@ -41,9 +41,9 @@ def checked(eng: Engine) -> dict[str, list[int]]:
     entries sent), "released" (running requests holding pages released behind the window)."""
     dispatch, sent = eng._dispatch, {"mismatched": [], "triples": [], "released": []}
 
-    def dispatch_and_check(index, batch, drafts, feed, updates):
+    def dispatch_and_check(index, batch, drafts, feed, updates, *rest):
         expected = host_tables(eng)  # the scheduler's pages at launch, as `_batch` read them
-        out = dispatch(index, batch, drafts, feed, updates)
+        out = dispatch(index, batch, drafts, feed, updates, *rest)
         if not np.array_equal(np.asarray(eng.kv.block_tables), expected):
             sent["mismatched"].append(index)
         assert batch.width >= max(len(r.pages) for r in eng.scheduler.running)
