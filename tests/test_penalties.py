@@ -16,7 +16,7 @@ from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.loading import Model, load_model
 from jaxinfer.model import forward
 from jaxinfer.sampling import SamplingArrays, SamplingParams, sample_tokens
-from tiny_models import tiny_model
+from test_engine import engine, model  # noqa: F401 - the tiny model fixture and engine shapes the engine tests use
 
 BASE = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PENALTIES = {
@@ -27,16 +27,6 @@ PENALTIES = {
     "bias": dict(logit_bias={3: 6.0, 11: -100.0, 50: 2.5}),
     "all": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.4, logit_bias={7: 3.0}),
 }
-
-
-@pytest.fixture(scope="module")
-def model() -> Model:
-    config, params = tiny_model(max_position=512)
-    return Model(config=config, params=params, tokenizer=None)
-
-
-def engine(model, **kw) -> Engine:
-    return Engine(model, EngineConfig(**({"max_slots": 4, "page_size": 4, "prefill_chunk": 8, "max_model_len": 128} | kw)))
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 30) -> list[list[int]]:
