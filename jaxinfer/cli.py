@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--min-tokens", type=int, default=0, help="tokens generated before EOS or a stop may end it")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -198,7 +199,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from jaxinfer.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                            min_tokens=args.min_tokens, stop=tuple(args.stop),
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty)
     prompts = _read_prompts(args)

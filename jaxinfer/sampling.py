@@ -49,11 +49,15 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     seed: int | None = None  # None: drawn from the engine's generator
     max_tokens: int = 256
-    stop: tuple[str, ...] = ()  # stop strings (not included in the output)
+    # EOS and stop_token_ids cannot be sampled, nor stop strings end the request, before this
+    # many tokens are generated (vLLM's)
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()  # stop strings (not in the output unless include_stop_str_in_output)
+    include_stop_str_in_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     speculative: bool = True  # False: never use draft tokens (when the engine speculates)
-    # Penalties and bias on the raw logits (`jaxinfer.penalties`; not with speculative decoding)
+    # Penalties and bias on the raw logits (`jaxinfer.penalties`)
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages every token of the prompt and output (HF)
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus f x times the token appeared in the output
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus p once the token appeared in the output
@@ -79,6 +83,10 @@ class SamplingParams:
                f"seed={self.seed!r} must be None or an integer in [0, 2**32)")
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
                f"max_tokens={self.max_tokens!r} must be an integer in [1, 2**31 - 1]")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens!r}]")
+        _check(isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be a bool")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP_STRINGS,
                f"stop={self.stop!r} must be at most {MAX_STOP_STRINGS} non-empty strings")
@@ -115,9 +123,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The request changes its logits before sampling (penalties or bias)."""
+        """The request changes its logits before sampling (penalties, bias or min_tokens)."""
         return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -315,12 +315,13 @@ def shard_speculation(mesh: Mesh, params: Any, kv: Any, draft: Any, draft_kv: An
     if draft_vocab is not None:
         draft_vocab = put(draft_vocab, replicated(mesh))
     kv_sh = shardings_of(kv)
-    # (params, kv, batch, drafts, draft_params, draft_vocab, draft_kv): None where absent
+    # (params, kv, batch, drafts, draft_params, draft_vocab, draft_kv, penalties): None where
+    # absent; penalties replicated, as in `shard_engine`
     fn = jax.jit(step.__wrapped__, static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
-                 donate_argnames=("kv", "draft_kv"),
+                 donate_argnames=("kv", "draft_kv", "penalties"),
                  in_shardings=(shardings_of(params), kv_sh, by_replica(mesh), by_replica(mesh),
                                None if draft is None else shardings_of(draft.params),
-                               None if draft_vocab is None else replicated(mesh), draft_kv_sh),
+                               None if draft_vocab is None else replicated(mesh), draft_kv_sh, replicated(mesh)),
                  out_shardings=(kv_sh, draft_kv_sh, replicated(mesh)))
     return draft, draft_kv, draft_vocab, fn
 

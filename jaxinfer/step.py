@@ -102,7 +102,8 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     )
     logits, kv = forward_groups(params, config, kv, (decode,) + prefill_groups(batch), attention_impl, mesh)
     if penalties is not None:
-        penalties = count_fed(penalties, slots, batch.decode_tokens, batch.lengths[slots], batch.decode_active)
+        penalties = count_fed(penalties, slots, batch.decode_tokens[:, None], decode.positions,
+                              batch.decode_active[:, None])
     out = sample_rows(logits, batch, kv.lengths, penalties)
     kv = dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1])
     return kv, out
@@ -126,9 +127,10 @@ def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: ja
     if batch.prefill is not None:
         slots, rows = jnp.concatenate([slots, batch.prefill.slots]), jnp.concatenate(logits)
     sampling = jax.tree.map(lambda a: a[slots], batch.sampling)
+    positions = new_lengths[slots]  # i32[R + P]: where each row's token goes
     if penalties is not None:
-        rows = penalize(rows, penalties, slots)
-    tokens = sample_tokens(rows, sampling, new_lengths[slots])  # i32[R + P]
+        rows = penalize(rows, penalties, slots, positions)
+    tokens = sample_tokens(rows, sampling, positions)  # i32[R + P]
     by_slot = rows_by_slot(tokens[:r], batch)
     if batch.prefill is None:
         return StepOutput(decode_tokens=by_slot, prefill_tokens=None, decode_logits=logits[0],

@@ -125,8 +125,10 @@ def check_meshes() -> dict:
     out["speculative"] = {name: engine_tokens(model, mesh, speculative=sc) for name, sc in speculative_sources().items()}
     penalized = [SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.5, frequency_penalty=1.0,
                                 logit_bias={3: 2.0}), SamplingParams(max_tokens=6, temperature=0)] * (len(PROMPTS) // 2 + 1)
-    out["penalties"] = {name: [list(o.token_ids) for o in tiny_engine(model, m).generate(PROMPTS, penalized[:len(PROMPTS)])]
-                        for name, m in (("ref", None), ("mesh", mesh))}
+    engines = {"ref": tiny_engine(model, None), "mesh": tiny_engine(model, mesh),
+               "mesh_draft": tiny_engine(model, mesh, speculative=speculative_sources()["draft"])}
+    out["penalties"] = {name: [list(o.token_ids) for o in e.generate(PROMPTS, penalized[:len(PROMPTS)])]
+                        for name, e in engines.items()}
     out["variants"] = check_variants()
     out["rings"] = check_rings()
     out["scan"] = check_scan(model, mesh)

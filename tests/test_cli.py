@@ -58,6 +58,8 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     assert bad_draft.returncode == 2 and "--speculative 'medusa'" in bad_draft.stderr
     bad_penalty = jaxinfer("generate", "--frequency-penalty", "3", "hi", check=False)
     assert bad_penalty.returncode == 2 and "frequency_penalty" in bad_penalty.stderr
+    bad_min = jaxinfer("generate", "--max-tokens", "10", "--min-tokens", "11", "hi", check=False)
+    assert bad_min.returncode == 2 and "min_tokens" in bad_min.stderr
     both = jaxinfer("generate", "--async-scheduling", "--speculative", "ngram", "hi", check=False)
     assert both.returncode == 2 and "async_scheduling" in both.stderr and "Traceback" not in both.stderr
 

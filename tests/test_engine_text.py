@@ -66,6 +66,26 @@ def test_stop_token_and_eos_end_generation_including_the_token(eng, model):
     assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
 
 
+def test_min_tokens_and_include_stop_str_in_output(eng, model):
+    """A stop string, a stop id and EOS that greedy decoding meets early do not end the
+    request before min_tokens; include_stop_str_in_output keeps the stop string, streamed too."""
+    [full] = eng.generate([PROMPTS[0]], GREEDY)
+    stop, stop_id = full.text[2:5], full.token_ids[1]
+    [out] = eng.generate([PROMPTS[0]], dataclasses.replace(GREEDY, min_tokens=24, stop=(stop,)))
+    assert out.token_ids == full.token_ids and out.finish_reason == "length"
+    [out] = eng.generate([PROMPTS[0]], dataclasses.replace(GREEDY, min_tokens=24, stop_token_ids=(stop_id,)))
+    assert len(out.token_ids) == 24 and stop_id not in out.token_ids and out.finish_reason == "length"
+    eos_engine = Engine(Model(config=model.config.replace(eos_ids=(stop_id,)), params=model.params,
+                              tokenizer=model.tokenizer), EngineConfig(max_slots=1, max_model_len=64))
+    [eos_out] = eos_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, min_tokens=24))
+    assert eos_out.token_ids == out.token_ids
+
+    kept = dataclasses.replace(GREEDY, stop=(stop,), include_stop_str_in_output=True)
+    [out] = eng.generate([PROMPTS[0]], kept)
+    assert out.text == "".join(eng.stream(PROMPTS[0], kept)) == full.text[: full.text.find(stop) + 3]
+    assert out.finish_reason == "stop"
+
+
 def test_chat_prompts_use_the_template(eng, model):
     eng.add_request("Hi there", GREEDY, request_id="chat", chat=True)
     text = model.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])
@@ -103,20 +123,26 @@ class _PieceTokenizer:
         return _PieceDecoder(self.pieces)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.text("ab", max_size=3), min_size=1, max_size=12), st.lists(st.text("ab", min_size=1, max_size=3), min_size=1, max_size=3))
-def test_stop_strings_cut_where_a_search_of_the_whole_text_after_each_token_would(pieces, stops):
-    """The request searches only the tail a new piece can complete; a search of the whole
-    text after every piece (the obvious way) must give the same text and stopping token."""
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("ab", max_size=3), min_size=1, max_size=12), st.lists(st.text("ab", min_size=1, max_size=3), min_size=1, max_size=3),
+       st.integers(0, 6), st.booleans())
+def test_stop_strings_cut_where_a_search_of_the_whole_text_after_each_token_would(pieces, stops, min_tokens, include):
+    """The request searches only the tail a new piece can complete; the obvious way (every
+    occurrence in the whole text after each piece, keeping those that end in the new piece,
+    none before min_tokens pieces) must give the same text and stopping token, with the
+    stop string cut or kept (include_stop_str_in_output)."""
     want, want_stopped_at = "", None
     for i, piece in enumerate(pieces):
+        before = len(want)
         want += piece
-        hits = [want.find(s) for s in stops if s in want]
-        if hits:
-            want, want_stopped_at = want[: min(hits)], i
+        hits = [(at, order, stop) for order, stop in enumerate(stops) for at in range(len(want))
+                if want.startswith(stop, at) and at + len(stop) > before]
+        if hits and i + 1 >= min_tokens:
+            at, _, stop = min(hits)
+            want, want_stopped_at = want[: at + len(stop) if include else at], i
             break
-    req = Request("r", [0], SamplingParams(max_tokens=100, stop=tuple(stops)), seed=0, eos_ids=(), tokenizer=_PieceTokenizer(pieces),
-                  cache_salt=None)
+    params = SamplingParams(max_tokens=100, stop=tuple(stops), min_tokens=min_tokens, include_stop_str_in_output=include)
+    req = Request("r", [0], params, seed=0, eos_ids=(), tokenizer=_PieceTokenizer(pieces), cache_salt=None)
     stopped_at = None
     for i in range(len(pieces)):
         req.append_token(i, now=0.0)

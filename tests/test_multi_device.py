@@ -110,9 +110,9 @@ def test_greedy_speculation_on_a_mesh_equals_plain_decoding(meshes, source):
 
 
 def test_penalties_on_a_mesh_equal_single_device(meshes):
-    """Penalized and plain requests side by side on data=2,model=4: the replicated penalty
-    histories give the single-device tokens."""
-    assert meshes["penalties"]["mesh"] == meshes["penalties"]["ref"]
+    """Penalized and plain requests side by side on data=2,model=4, plain and speculating
+    with a sharded draft model: the replicated penalty histories give the single-device tokens."""
+    assert meshes["penalties"]["mesh"] == meshes["penalties"]["ref"] == meshes["penalties"]["mesh_draft"]
     assert meshes["penalties"]["ref"][0] != meshes["ref_tokens"][0]  # the penalties changed something
 
 

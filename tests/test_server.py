@@ -117,6 +117,24 @@ def test_health_and_models(srv, client):
     assert [m.id for m in client.models.list().data] == [NAME]
 
 
+def test_tokenize_and_detokenize(srv, model):
+    """vLLM's /tokenize and /detokenize: the ids a prompt or chat is served with, and back."""
+    tok = model.tokenizer
+    r = httpx.post(f"{srv.url}/tokenize", json={"model": NAME, "prompt": "Hello there", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello there") and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN
+    assert r["token_strs"] == [tok.id_to_token(i) for i in r["tokens"]]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{srv.url}/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert chat["token_strs"] is None
+    back = httpx.post(f"{srv.url}/detokenize", json={"model": NAME, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": tok.decode(r["tokens"])}
+    for path, body, param in [("/tokenize", {"model": NAME}, "prompt"), ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model"),
+                              ("/detokenize", {"tokens": [10**7]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        err = httpx.post(f"{srv.url}{path}", json=body)
+        assert err.status_code == 400 and err.json()["error"]["param"] == param, (path, body, err.text)
+
+
 def test_completion_greedy_equals_engine(srv, client, model):
     prompt = "The quick brown fox"
     want = engine_text(model, model.tokenizer.encode(prompt), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -169,6 +187,9 @@ def test_seed_n_stop(client):
     stop = full.strip().split()[1]  # a word in the middle of the seeded output
     cut = client.completions.create(**(kw | {"n": 1, "stop": [stop]}))
     assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(**(kw | {"n": 1, "stop": [stop], "extra_body": {"ignore_eos": True,
+                                                                                   "include_stop_str_in_output": True}}))
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)]
 
 
 BAD = [
@@ -195,6 +216,12 @@ BAD = [
     ({"json": {"model": NAME, "prompt": "x", "logit_bias": {"12": 150}}}, "logit_bias", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "logit_bias": {"a": 1}}}, "logit_bias", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "logit_bias": {"99999999": 1}}}, "logit_bias", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "max_tokens": 4, "min_tokens": 5}}, "min_tokens", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "min_tokens": -1}}, "min_tokens", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "def f(", "suffix": "return x"}}, "suffix", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "best_of": 3}}, "best_of", "/v1/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}},
+     "response_format", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
@@ -219,13 +246,13 @@ def test_errors_have_openai_shape_and_disturb_nothing(srv, model):
 
 def test_penalties_and_logit_bias_equal_engine(srv, client, model):
     """OpenAI's frequency / presence penalties and logit_bias (string token-id keys), and
-    vLLM's repetition_penalty, reach the engine unchanged; requests without them beside
+    vLLM's repetition_penalty and min_tokens, reach the engine unchanged; requests without them beside
     them are untouched."""
     prompt, tok = "Say it again and again and again", model.tokenizer
     ids = tok.encode(prompt)
     bias_token = tok.encode(" again", add_special_tokens=False)[0]
     cases = [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(extra_body={"repetition_penalty": 1.4}),
-             dict(logit_bias={str(bias_token): 100})]
+             dict(logit_bias={str(bias_token): 100}), dict(extra_body={"min_tokens": 8, "stop_token_ids": [bias_token]})]
     for kwargs in cases:
         extra = kwargs.pop("extra_body", {})
         bias = {int(t): v for t, v in kwargs.pop("logit_bias", {}).items()}

@@ -178,8 +178,8 @@ class Engine:
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._steps = 0
-        # the requests' token histories for penalties and logit bias, made at the first request
-        # that asks for either (`_penalty_rows`)
+        # the requests' token histories for penalties, logit bias and min_tokens, made at the
+        # first request that asks for one (`_penalty_rows`)
         self.penalties: PenaltyState | None = None
         self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step not read yet
         self._recent_logits: dict[int, tuple] = {}  # step index -> what `_logprobs` needs (the last two steps)
@@ -296,9 +296,7 @@ class Engine:
     def _check_penalties(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check alone: the engine and the vocabulary."""
         name = next(n for n, neutral in (("repetition_penalty", 1), ("frequency_penalty", 0), ("presence_penalty", 0),
-                                          ("logit_bias", ())) if getattr(params, n) != neutral)
-        if self.config.speculative is not None:
-            raise ValueError(f"{name} is not supported with speculative decoding (nor are the other penalties)")
+                                          ("logit_bias", ()), ("min_tokens", 0)) if getattr(params, n) != neutral)
         if self._channel is not None:
             raise ValueError(f"{name} is not supported yet on a mesh spanning several processes")
         vocab = self.model.config.vocab_size
@@ -518,11 +516,9 @@ class Engine:
             self.penalties = self._commit(state) if self.config.mesh is None else jax.tree.map(
                 lambda a: sharding.put(np.asarray(a), sharding.replicated(self.config.mesh)), state)
         if self.penalties is not None:
-            vocab = self.model.config.vocab_size
+            vocab, eos_ids = self.model.config.vocab_size, self.model.config.eos_ids
             for req in admitted:
-                p = req.params
-                row = slot_history(vocab, req.prompt, req.generated, p.repetition_penalty, p.frequency_penalty,
-                                   p.presence_penalty, p.logit_bias)
+                row = slot_history(vocab, req.prompt, req.generated, req.params, eos_ids)
                 self.penalties = self._compiles.call(set_slot, self.penalties, np.int32(req.slot), row)
         return any(r.params.penalized for r in itertools.chain(plan.decode, (r for r, _ in plan.prefill)))
 
@@ -548,8 +544,6 @@ class Engine:
                                  self.penalties if penalized else None)
         if drafts is None:
             self.kv, out = self._compiles.call(fn, *args)
-            if out.penalties is not None:
-                self.penalties = out.penalties
             device_tokens, accepted = out.decode_tokens, None  # i32[B]
             logits, row_tokens = out.decode_logits, out.decode_row_tokens  # f32[R, V], i32[R]
             prefill = self._no_prefill if out.prefill_tokens is None else out.prefill_tokens
@@ -558,6 +552,8 @@ class Engine:
             self.kv, self.draft_kv, out = self._compiles.call(fn, *args)
             device_tokens, accepted = out.tokens, out.num_accepted  # i32[B, k + 1], i32[B] by slot
             logits, row_tokens = out.logits, out.row_tokens  # f32[R, k + 1, V], i32[R, k + 1]
+        if out.penalties is not None:
+            self.penalties = out.penalties
         self._ran.add(key)
         self._recent_logits = {index: (logits, row_tokens, out.prefill_logits, out.prefill_tokens),
                                **{i: v for i, v in self._recent_logits.items() if i == index - 1}}
@@ -632,11 +628,11 @@ class Engine:
         d = self.draft
         if isinstance(drafts, EagleBatch):
             return eagle_step, (m.params, m.config, kv, self._place(batch), drafts, d.params, d.lm_head,
-                                self._draft_vocab, draft_kv, d.config, impl)
+                                self._draft_vocab, draft_kv, d.config, impl, penalties)
         return self._spec_step, (
             m.params, m.config, kv, self._place(batch), self._place_drafts(drafts), None if d is None else d.params,
             self._draft_vocab, draft_kv, None if d is None else d.config, 0 if d is None else d.shares_target_layers,
-            impl, c.mesh)
+            impl, c.mesh, penalties)
 
     def _draft_batch(self, plan: SchedulePlan) -> DraftBatch | EagleBatch:
         """How many drafts each decoding request verifies, in `plan.decode`'s order (`_launch`

@@ -168,15 +168,20 @@ class Request:
             self._append_text(self._decoder.flush())
 
     def _append_text(self, piece: str) -> None:
-        """Add decoded text, cutting it at the first stop string (nothing after it counts)."""
+        """Add decoded text, cutting it at the first stop string (nothing after it counts)
+        once min_tokens tokens are out."""
         if self._stopped_by_string or not piece:
             return
         before = len(self.text)
         self.text += piece
-        cuts = [self.text.find(stop, max(0, before - len(stop) + 1)) for stop in self.params.stop]  # only the tail
-        cuts = [cut for cut in cuts if cut >= 0]  # can hold a new match
-        if cuts:
-            self.text, self.finish_reason, self._stopped_by_string = self.text[: min(cuts)], "stop", True
+        if len(self.generated) < self.params.min_tokens:
+            return
+        found = [(self.text.find(stop, max(0, before - len(stop) + 1)), stop) for stop in self.params.stop]  # only the tail
+        found = [(cut, stop) for cut, stop in found if cut >= 0]  # can hold a new match
+        if found:
+            cut, stop = min(found, key=lambda match: match[0])
+            end = cut + len(stop) if self.params.include_stop_str_in_output else cut
+            self.text, self.finish_reason, self._stopped_by_string = self.text[:end], "stop", True
 
     def take_output(self) -> RequestOutput | None:
         """The progress since the last call (text held back while a stop string may match),

@@ -29,8 +29,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jaxinfer.scoring import score_tokens
 from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_logprobs, tokens_of
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
-from jaxinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorBody, _Common, new_id, now,
-                                      usage)
+from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                                      ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 DONE = "data: [DONE]\n\n"
@@ -69,9 +69,32 @@ class OpenAIServer:
         return self._check_length(ids, "prompt")
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = self._tokenize("messages", lambda tok: tok.encode(tok.apply_chat_template(messages), add_special_tokens=False))
-        return self._check_length(ids, "messages")
+        return self._check_length(self.messages_ids(body.messages), "messages")
+
+    def messages_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of `messages` rendered with the chat template."""
+        turns = [{"role": m.role, "content": m.text()} for m in messages]
+        return self._tokenize("messages", lambda tok: tok.encode(
+            tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt), add_special_tokens=False))
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """`POST /tokenize` (vLLM's): the ids a prompt or chat would be served with."""
+        if body.model is not None:
+            self.check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise ErrorBody(400, "send exactly one of prompt and messages", param="prompt")
+        if body.prompt is not None:
+            ids = self._tokenize("prompt", lambda tok: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        else:
+            ids = self.messages_ids(body.messages, body.add_generation_prompt)
+        strs = [self.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        """`POST /detokenize` (vLLM's): the text of token ids."""
+        if body.model is not None:
+            self.check_model(body)
+        return {"prompt": self._tokenize("tokens", lambda tok: tok.decode(body.tokens))}
 
     def _tokenize(self, param: str, encode: Callable) -> list[int]:
         """`encode(tokenizer)`. What the tokenizer or chat template refuses (text that is not
@@ -107,6 +130,14 @@ class OpenAIServer:
     def params(self, body: _Common, ids: list[int], default_max_tokens: int | None):
         if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
             raise ErrorBody(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if getattr(body, "suffix", None):
+            raise ErrorBody(400, "suffix is not supported: this server does not fill in the middle", param="suffix")
+        if (getattr(body, "best_of", None) or 1) > 1:
+            raise ErrorBody(400, "best_of > 1 is not supported: ask for n choices (with logprobs) and pick",
+                            param="best_of")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise ErrorBody(400, f"response_format {body.response_format.type!r} is not supported: this server has no "
+                                 "structured (JSON-constrained) output; only 'text'", param="response_format")
         if body.num_logprobs is not None:
             self._tokenizer("logprobs")  # token strings need it
         if body.max_tokens == 0 and not getattr(body, "echo", False):
@@ -369,6 +400,14 @@ def create_app(server: OpenAIServer) -> FastAPI:
         card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
                 "max_model_len": server.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def post_tokenize(body: TokenizeRequest):
+        return server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def post_detokenize(body: DetokenizeRequest):
+        return server.detokenize(body)
 
     @app.post("/v1/completions")
     async def post_completions(body: CompletionRequest, raw: Request):

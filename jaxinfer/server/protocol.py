@@ -33,11 +33,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "text"  # "json_object" / "json_schema" ask for structured output, which we do not have
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(None, ge=0)  # 0: only with completions' echo (score the prompt)
+    min_tokens: int = Field(0, ge=0)  # extra (vLLM's): no EOS / stop before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = Field(0, ge=-1)  # extra; -1 also means off (vLLM's convention)
@@ -49,10 +56,12 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra
+    include_stop_str_in_output: bool = False  # extra (vLLM's)
     ignore_eos: bool = False  # extra
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     cache_salt: str | None = None  # extra; defaults to `user`: tenants never share prefix pages
 
@@ -61,7 +70,8 @@ class _Common(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         base = dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
-                    min_p=self.min_p, max_tokens=max_tokens, stop=tuple(stop),
+                    min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=tuple(stop),
+                    include_stop_str_in_output=self.include_stop_str_in_output,
                     stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                     logprobs=self.num_logprobs, frequency_penalty=self.frequency_penalty,
                     presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
@@ -95,6 +105,8 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    suffix: str | None = None  # refused unless empty: no fill-in-the-middle
+    best_of: int | None = Field(None, ge=1)  # refused above 1 (as vLLM's v1 engine does)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
 
     @property
@@ -132,6 +144,28 @@ class ChatCompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt: BOS as the model wants it
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opening
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:

@@ -35,6 +35,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.layer_stack import slice_layers
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
+from jaxinfer.penalties import PenaltyState, count_fed, penalize, penalize_block
 from jaxinfer.sampling import SamplingArrays, row_keys
 from jaxinfer.speculative.drafts.propose import propose_with_model
 from jaxinfer.speculative.verify import Proposal, verify_step
@@ -56,19 +57,46 @@ class SpeculativeOutput:
     logits: jax.Array  # f32[R, k + 1, V]: position j of decode row r scored row_tokens[r, j]
     row_tokens: jax.Array  # i32[R, k + 1]: `tokens` by decode row
     prefill_logits: jax.Array | None  # f32[P, V]
+    # the penalty histories after this step's kept tokens, when the step was given them
+    penalties: PenaltyState | None = None
 
     @classmethod
     def by_slot(cls, tokens: jax.Array, num_accepted: jax.Array, batch: StepBatch, logits: tuple[jax.Array, ...],
-                new_lengths: jax.Array) -> SpeculativeOutput:
+                new_lengths: jax.Array, scored: tuple[jax.Array, ...] | None = None,
+                penalties: PenaltyState | None = None) -> SpeculativeOutput:
         """The output of a step whose decode rows verified into `tokens` i32[R, k + 1] /
-        `num_accepted` i32[R], with the target's `logits` per group (decode block, prefill)."""
+        `num_accepted` i32[R], with the target's raw `logits` per group (decode block,
+        prefill) and the ones sampled from (`scored`: penalized; default the raw ones)."""
         return cls(tokens=rows_by_slot(tokens, batch), num_accepted=rows_by_slot(num_accepted, batch),
-                   prefill_tokens=sample_prefill(logits, batch, new_lengths), logits=logits[0], row_tokens=tokens,
-                   prefill_logits=logits[1] if len(logits) > 1 else None)
+                   prefill_tokens=sample_prefill(scored or logits, batch, new_lengths), logits=logits[0],
+                   row_tokens=tokens, prefill_logits=logits[1] if len(logits) > 1 else None, penalties=penalties)
+
+
+def penalized_logits(logits: tuple[jax.Array, ...], batch: StepBatch, block: TokenGroup,
+                     penalties: PenaltyState | None, new_lengths: jax.Array) -> tuple[jax.Array, ...]:
+    """What verification and prefill sampling read: the raw logits per group (decode block
+    f32[R, k + 1, V], prefill f32[P, V]), penalized when the step has penalties."""
+    if penalties is None:
+        return logits
+    scored = (penalize_block(logits[0], penalties, batch.decode_slots, block.tokens, block.positions,
+                             batch.decode_active),)
+    if len(logits) > 1:
+        slots = batch.prefill.slots
+        scored += (penalize(logits[1], penalties, slots, new_lengths[slots]),)
+    return scored
+
+
+def count_kept(penalties: PenaltyState | None, batch: StepBatch, block: TokenGroup,
+               num_accepted: jax.Array) -> PenaltyState | None:
+    """The histories after each decode row kept its pending token and `num_accepted` i32[R] drafts."""
+    if penalties is None:
+        return None
+    keep = batch.decode_active[:, None] & (jnp.arange(block.tokens.shape[1]) <= num_accepted[:, None])  # bool[R, k + 1]
+    return count_fed(penalties, batch.decode_slots, block.tokens, block.positions, keep)
 
 
 JIT_OPTIONS = dict(static_argnames=("config", "draft_config", "shared_layers", "attention_impl", "mesh"),
-                   donate_argnames=("kv", "draft_kv"))
+                   donate_argnames=("kv", "draft_kv", "penalties"))
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
@@ -81,14 +109,17 @@ def speculative_step(
     shared_layers: int = 0,  # > 0: self-speculation over the target's first layers
     attention_impl: str = "reference",
     mesh: jax.sharding.Mesh | None = None,  # the mesh both models and caches are sharded on
+    penalties: PenaltyState | None = None,  # some request has penalties (`jaxinfer.penalties`)
 ) -> tuple[PagedKVState, PagedKVState | None, SpeculativeOutput]:
     """Propose, run the target over every slot's block and the prefill rows, verify; donates
-    both caches. Block tables and lengths as in `engine_step` (a separate draft model reads
-    the target's tables: its pages sit at the same page ids of its own pool).
+    both caches (and the penalties). Block tables and lengths as in `engine_step` (a separate
+    draft model reads the target's tables: its pages sit at the same page ids of its own pool).
 
     The target's raw logits at every position j of a block come back with the tokens, so
     `step.step_logprobs` can give accepted drafts and the correction/bonus token each their
-    own logprob under the target, as in `engine_step`."""
+    own logprob under the target, as in `engine_step`. With penalties, verification reads
+    the penalized logits (`penalized_logits`): the target distribution a plain step would
+    sample from, so speculation stays exact."""
     kept = (kv.block_tables, kv.lengths)
     kv = bucket_view(kv, batch)
     lengths, sampling = decode_rows(batch)  # i32[R], [R]
@@ -111,10 +142,12 @@ def speculative_step(
                                            draft_keys, separate=True, attention_impl=attention_impl, mesh=mesh)
         draft_kv = dataclasses.replace(dkv, block_tables=draft_owned[0], lengths=draft_owned[1])
 
-    logits, kv = forward_groups(params, config, kv, (verify_block(batch, proposal, num_draft),) + prefill_groups(batch),
-                                attention_impl, mesh)
-    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, sampling, verify_keys)
-    out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths)
+    block = verify_block(batch, proposal, num_draft)
+    logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
+    scored = penalized_logits(logits, batch, block, penalties, kv.lengths)
+    num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys)
+    out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths, scored,
+                                    count_kept(penalties, batch, block, num_accepted))
     return dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1]), draft_kv, out
 
 

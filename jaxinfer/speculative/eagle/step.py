@@ -35,7 +35,8 @@ from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_hidden
 from jaxinfer.speculative.drafts.propose import sample_draft
 from jaxinfer.speculative.eagle.head import EagleParams, head_inputs
-from jaxinfer.speculative.step import SpeculativeOutput, speculation_keys, verify_block
+from jaxinfer.penalties import PenaltyState
+from jaxinfer.speculative.step import SpeculativeOutput, count_kept, penalized_logits, speculation_keys, verify_block
 from jaxinfer.speculative.verify import Proposal, verify_step
 from jaxinfer.step import StepBatch, bucket_view, decode_rows, prefill_groups
 
@@ -148,7 +149,7 @@ def _carry(features: jax.Array, batch: StepBatch, block_hidden: jax.Array, prefi
     return new.at[:, 0].set(jnp.where(match.any(axis=1)[:, None], last[row].astype(features.dtype), new[:, 0]))
 
 
-JIT_OPTIONS = dict(static_argnames=("config", "head_config", "attention_impl"), donate_argnames=("kv", "state"))
+JIT_OPTIONS = dict(static_argnames=("config", "head_config", "attention_impl"), donate_argnames=("kv", "state", "penalties"))
 
 
 @functools.partial(jax.jit, **JIT_OPTIONS)
@@ -160,9 +161,11 @@ def eagle_step(
     state: EagleState,
     head_config: ModelConfig,
     attention_impl: str = "reference",
+    penalties: PenaltyState | None = None,
 ) -> tuple[PagedKVState, EagleState, SpeculativeOutput]:
     """Draft with the head, verify with the target, run the head over the prefill rows and
-    carry the features; donates both caches. Outputs as `speculative_step`'s."""
+    carry the features; donates both caches (and the penalties). Outputs and penalties as
+    `speculative_step`'s."""
     kept = (kv.block_tables, kv.lengths)
     kv = bucket_view(kv, batch)
     lengths, sampling = decode_rows(batch)  # i32[R], [R]
@@ -171,10 +174,12 @@ def eagle_step(
 
     proposal, hkv = propose_eagle(head, params.embed, head_lm, vocab, head_config, state, kv.block_tables, batch, drafts,
                                   num_draft, draft_keys, attention_impl)
-    logits, hidden, kv = forward_hidden(params, config, kv, (verify_block(batch, proposal, num_draft),)
-                                        + prefill_groups(batch), attention_impl)
-    num_accepted, tokens = verify_step(logits[0], proposal, num_draft, sampling, verify_keys)
-    out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths)
+    block = verify_block(batch, proposal, num_draft)
+    logits, hidden, kv = forward_hidden(params, config, kv, (block,) + prefill_groups(batch), attention_impl)
+    scored = penalized_logits(logits, batch, block, penalties, kv.lengths)
+    num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys)
+    out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths, scored,
+                                    count_kept(penalties, batch, block, num_accepted))
     prefill_hidden = None
     if batch.prefill is not None:
         prefill_hidden = hidden[1]
