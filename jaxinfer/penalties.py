@@ -19,8 +19,9 @@ transfer: when a request takes a slot, the host writes the slot's row once (`set
 bias, prompt tokens, output tokens so far, which after a preemption are not empty); after
 that each decode step counts the token it feeds (`count_fed`) before it penalizes the row's
 logits. A speculative block scores position j as if the drafts before it were accepted
-(`penalize_block`) and counts what it kept. Prefix-cache hits and recomputation change nothing: the history comes from the
-host. Steps that serve no penalized request run programs without any of this.
+(`penalize_block`) and counts what it kept. Prefix-cache hits and recomputation change
+nothing: the history comes from the host. Steps that serve no penalized request run
+programs without any of this.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +33,7 @@ from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
 
+T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 DONE = "data: [DONE]\n\n"
 WARMING_RETRY_AFTER_S = 5  # what /health's Retry-After suggests while the engine compiles
@@ -96,9 +98,10 @@ class OpenAIServer:
             self.check_model(body)
         return {"prompt": self._tokenize("tokens", lambda tok: tok.decode(body.tokens))}
 
-    def _tokenize(self, param: str, encode: Callable) -> list[int]:
-        """`encode(tokenizer)`. What the tokenizer or chat template refuses (text that is not
-        valid Unicode, a template's raise_exception) is the input's fault: a 400 naming `param`."""
+    def _tokenize(self, param: str, encode: Callable[[Any], T]) -> T:
+        """`encode(tokenizer)` (or decode). What the tokenizer or chat template refuses (text
+        that is not valid Unicode, a template's raise_exception, an id outside the vocabulary)
+        is the input's fault: a 400 naming `param`."""
         tok = self._tokenizer(param)
         try:
             return encode(tok)
