@@ -62,13 +62,13 @@ class SpeculativeOutput:
 
     @classmethod
     def by_slot(cls, tokens: jax.Array, num_accepted: jax.Array, batch: StepBatch, logits: tuple[jax.Array, ...],
-                new_lengths: jax.Array, scored: tuple[jax.Array, ...] | None = None,
+                new_lengths: jax.Array, scored: tuple[jax.Array, ...],
                 penalties: PenaltyState | None = None) -> SpeculativeOutput:
         """The output of a step whose decode rows verified into `tokens` i32[R, k + 1] /
         `num_accepted` i32[R], with the target's raw `logits` per group (decode block,
-        prefill) and the ones sampled from (`scored`: penalized; default the raw ones)."""
+        prefill) and the ones sampled from (`scored`: `penalized_logits`)."""
         return cls(tokens=rows_by_slot(tokens, batch), num_accepted=rows_by_slot(num_accepted, batch),
-                   prefill_tokens=sample_prefill(scored or logits, batch, new_lengths), logits=logits[0],
+                   prefill_tokens=sample_prefill(scored, batch, new_lengths), logits=logits[0],
                    row_tokens=tokens, prefill_logits=logits[1] if len(logits) > 1 else None, penalties=penalties)
 
 
