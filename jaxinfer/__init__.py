@@ -7,6 +7,7 @@ from jaxinfer.loading import Model, load_model
 from jaxinfer.model import ModelParams, forward
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative import DraftModel, SpeculativeConfig
+from jaxinfer.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
     "forward",
     "init_paged_kv",
     "load_model",

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA", help="output JSON following this schema (a file, or inline JSON)")
+    shape.add_argument("--regex", help="output text matching this regular expression")
+    shape.add_argument("--choice", action="append", help="output exactly one of these strings (repeatable)")
     gen.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
     gen.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
     _add_attention_flag(gen)
@@ -184,6 +188,27 @@ def _load(model: str | None, dtype: str, mesh=None):
     return loaded
 
 
+def _structured(args: argparse.Namespace):
+    """--json-schema / --regex / --choice as `StructuredOutputsParams` (checked before the model
+    loads), or None."""
+    from jaxinfer.structured_output import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        params = StructuredOutputsParams(json=text)
+    elif args.regex is not None:
+        params = StructuredOutputsParams(regex=args.regex)
+    elif args.choice:
+        params = StructuredOutputsParams(choice=args.choice)
+    else:
+        return None
+    params.grammar_text()
+    return params
+
+
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file:
@@ -202,7 +227,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             min_tokens=args.min_tokens, stop=tuple(args.stop),
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                            presence_penalty=args.presence_penalty)
+                            presence_penalty=args.presence_penalty, structured_outputs=_structured(args))
     prompts = _read_prompts(args)
     speculative = _speculative(args)
     mesh = _mesh(args)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxinfer.structured_output import StructuredOutputsParams
+
 NEG_INF = -jnp.inf
 MAX_LOGPROBS = 5  # top alternatives the logprob program computes (static: one compiled shape)
 # Top-k up to this many tokens finds its cut with a partial top-k: on XLA:CPU sorting a
@@ -62,6 +64,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus f x times the token appeared in the output
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus p once the token appeared in the output
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()  # {token id: added to its logit, in [-100, 100]}
+    # Sample only what a JSON schema / regex / choice / grammar allows (`jaxinfer.structured_output`)
+    structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
     # What each `RequestOutput` of the request holds (vLLM's RequestOutputKind): "cumulative"
     # (everything so far), "delta" (token_ids / text / logprobs: only what is new since the
@@ -110,12 +114,18 @@ class SamplingParams:
                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100], got {str(self.logit_bias)[:200]}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        structured = self.structured_outputs
+        if isinstance(structured, dict):  # the JSON-shaped form
+            structured = StructuredOutputsParams.from_dict(structured)
+        _check(structured is None or isinstance(structured, StructuredOutputsParams),
+               f"structured_outputs={structured!r} must be None or a StructuredOutputsParams")
         _check(self.output_kind in OUTPUT_KINDS, f"output_kind={self.output_kind!r} must be one of {OUTPUT_KINDS}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
         object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "structured_outputs", structured)
 
     @property
     def greedy(self) -> bool:
@@ -123,9 +133,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The request changes its logits before sampling (penalties, bias or min_tokens)."""
+        """The request changes its logits before sampling (penalties, bias, min_tokens or a
+        structured-output grammar): its steps run the programs that do."""
         return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -32,6 +32,7 @@ from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_groups
 from jaxinfer.penalties import PenaltyState, count_fed, penalize
 from jaxinfer.sampling import SamplingArrays, TokenLogprobs, sample_tokens, token_logprobs
+from jaxinfer.structured_output import mask_logits
 
 
 @struct.dataclass
@@ -40,6 +41,7 @@ class PrefillBatch:
     slots: jax.Array  # i32[P]: the slot each row continues
     num_new: jax.Array  # i32[P]: valid tokens per row (0 = unused row)
     shared: jax.Array  # i32[P]: tokens of each row's sequence in shared prefix-cache pages (`TokenGroup.shared`)
+    allowed: jax.Array | None = None  # i32[P, W]: as `StepBatch.allowed`, for each row's next token
 
 
 @struct.dataclass
@@ -53,6 +55,9 @@ class StepBatch:
     decode_active: jax.Array  # bool[R]: False = idle row (writes and returns nothing)
     sampling: SamplingArrays  # [max_slots]: per-slot sampling parameters
     prefill: PrefillBatch | None = None
+    # i32[R, W]: the tokens each decode row may sample, a packed bitmask (structured output,
+    # `jaxinfer.structured_output`); present in the programs that take penalties, else None
+    allowed: jax.Array | None = None
 
 
 @struct.dataclass
@@ -91,7 +96,8 @@ def engine_step(params: ModelParams, config: ModelConfig, kv: PagedKVState, batc
     (`jaxinfer.sharding.shard_engine`), `mesh` is the one params and cache are sharded on.
     With `penalties` (some request of the batch asked for them), each decode row's token
     is counted into its slot's history and the rows' logits are penalized before sampling
-    (`jaxinfer.penalties`); the updated histories come back in `StepOutput.penalties`.
+    (`jaxinfer.penalties`), then masked to the tokens `batch.allowed` allows (structured
+    output); the updated histories come back in `StepOutput.penalties`.
     """
     kept = (kv.block_tables, kv.lengths)  # returned untouched: the engine updates both
     kv = bucket_view(kv, batch)
@@ -130,6 +136,8 @@ def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: ja
     positions = new_lengths[slots]  # i32[R + P]: where each row's token goes
     if penalties is not None:
         rows = penalize(rows, penalties, slots, positions)
+    if batch.allowed is not None:
+        rows = mask_logits(rows, allowed_rows(batch))
     tokens = sample_tokens(rows, sampling, positions)  # i32[R + P]
     by_slot = rows_by_slot(tokens[:r], batch)
     if batch.prefill is None:
@@ -137,6 +145,13 @@ def sample_rows(logits: tuple[jax.Array, ...], batch: StepBatch, new_lengths: ja
                           decode_row_tokens=tokens, prefill_logits=None, penalties=penalties)
     return StepOutput(decode_tokens=by_slot, prefill_tokens=tokens[r:], decode_logits=logits[0],
                       decode_row_tokens=tokens[:r], prefill_logits=logits[1], penalties=penalties)
+
+
+def allowed_rows(batch: StepBatch) -> jax.Array:
+    """The bitmasks of the decode rows, then the prefill rows' (i32[R (+ P), W])."""
+    if batch.prefill is None:
+        return batch.allowed
+    return jnp.concatenate([batch.allowed, batch.prefill.allowed])
 
 
 def decode_rows(batch: StepBatch) -> tuple[jax.Array, SamplingArrays]:

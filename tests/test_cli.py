@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,10 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
     assert bad_penalty.returncode == 2 and "frequency_penalty" in bad_penalty.stderr
     bad_min = jaxinfer("generate", "--max-tokens", "10", "--min-tokens", "11", "hi", check=False)
     assert bad_min.returncode == 2 and "min_tokens" in bad_min.stderr
+    bad_regex = jaxinfer("generate", "--regex", "[a-z", "hi", check=False)
+    assert bad_regex.returncode == 2 and "structured_outputs.regex" in bad_regex.stderr
+    missing_schema = jaxinfer("generate", "--json-schema", str(tmp_path / "schema.json"), "hi", check=False)
+    assert missing_schema.returncode == 2 and "schema.json" in missing_schema.stderr
     both = jaxinfer("generate", "--async-scheduling", "--speculative", "ngram", "hi", check=False)
     assert both.returncode == 2 and "async_scheduling" in both.stderr and "Traceback" not in both.stderr
 
@@ -68,9 +73,11 @@ def test_bad_input_exits_with_a_clear_message(tmp_path):
 def test_several_prompts_go_through_the_engine_with_stats(smollm2_gguf, tmp_path):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("Name a fruit.\n\nName a colour.\n")
-    out = jaxinfer("generate", "--model", str(smollm2_gguf), "--max-tokens", "6", "--stats",
-                   "Name an animal.", "--prompts-file", str(prompts_file))
+    out = jaxinfer("generate", "--model", str(smollm2_gguf), "--max-tokens", "6", "--stats", "--choice", "red",
+                   "--choice", "a cat", "Name an animal.", "--prompts-file", str(prompts_file))
     assert out.stdout.count("=== [") == 3 and "'Name a colour.'" in out.stdout
+    answers = re.findall(r"=== \[\d\] '.*' \((\w+)\)\n(.*)\n", out.stdout)  # (finish reason, text) per prompt
+    assert len(answers) == 3 and all(reason == "stop" and text in ("red", "a cat") for reason, text in answers)
     for metric in ("running: 0", "waiting: 0", "prefix_hit_rate", "preemptions: 0", "compiled_programs"):
         assert metric in out.stderr
     empty = jaxinfer("generate", "--prompts-file", str(tmp_path / "missing.txt"), check=False)

@@ -220,8 +220,18 @@ BAD = [
     ({"json": {"model": NAME, "prompt": "x", "min_tokens": -1}}, "min_tokens", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "def f(", "suffix": "return x"}}, "suffix", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "best_of": 3}}, "best_of", "/v1/completions"),
-    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}},
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}},
      "response_format", "/v1/chat/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}},
+     "response_format.type", "/v1/chat/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "objekt"}}}}}, "response_format",
+     "/v1/chat/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "guided_regex": "[a-z"}}, "guided_regex", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}},
+     "structured_outputs", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "response_format": {"type": "json_object"}, "guided_choice": ["a"]}},
+     "response_format", "/v1/completions"),
     ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
@@ -264,6 +274,30 @@ def test_penalties_and_logit_bias_equal_engine(srv, client, model):
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0,
                                   logit_bias={str(bias_token): 100}, extra_body={"ignore_eos": True})
     assert r.choices[0].text == tok.decode([bias_token] * 4)
+
+
+def test_structured_outputs_equal_engine(srv, client, model):
+    """OpenAI's response_format and vLLM's structured_outputs / guided_* reach the engine as
+    the same `StructuredOutputsParams`: the same text, and it follows the grammar."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Is it fine? Answer in JSON."}]
+    ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    base = dict(temperature=0, max_tokens=12)
+    r = client.chat.completions.create(model=NAME, messages=messages, **base, response_format={
+        "type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}})
+    want = engine_text(model, ids, SamplingParams(**base, structured_outputs={"json": schema}))
+    assert r.choices[0].message.content == want
+    prompt, ids = "The answer is", model.tokenizer.encode("The answer is")
+    cases = [({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+             ({"structured_outputs": {"regex": "[0-9]{2}-[a-z]{2}"}}, {"regex": "[0-9]{2}-[a-z]{2}"}),
+             ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+              {"json_object": True, "disable_any_whitespace": True})]
+    texts = []
+    for extra, fields in cases:
+        r = client.completions.create(model=NAME, prompt=prompt, **base, extra_body=extra)
+        texts.append(r.choices[0].text)
+        assert texts[-1] == engine_text(model, ids, SamplingParams(**base, structured_outputs=fields))
+    assert texts[0] in ("yes", "no") and re.fullmatch("[0-9]{2}-[a-z]{2}", texts[1])
 
 
 def test_auth(small):

@@ -58,6 +58,7 @@ from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead, load_eagle
 from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
 from jaxinfer.step import PrefillBatch, StepBatch, engine_step, feed_decode_tokens, step_logprobs
+from jaxinfer.structured_output import GrammarCompiler, allow_all
 
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ class Engine:
         # the requests' token histories for penalties, logit bias and min_tokens, made at the
         # first request that asks for one (`_penalty_rows`)
         self.penalties: PenaltyState | None = None
+        self._grammars: GrammarCompiler | None = None  # structured output (`_grammar_compiler`)
         self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step not read yet
         self._recent_logits: dict[int, tuple] = {}  # step index -> what `_logprobs` needs (the last two steps)
         # the last plain step's tokens on the device, for `feed_decode_tokens`
@@ -280,6 +282,9 @@ class Engine:
         ids = self._encode(prompt, chat)
         if params.penalized:
             self._check_penalties(params)
+        matcher = None
+        if params.structured_outputs is not None:  # a fresh matcher per request: it follows the request's tokens
+            matcher = self._grammar_compiler().matcher(params.structured_outputs)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
@@ -289,6 +294,7 @@ class Engine:
                              f"a request can hold ({self.scheduler.max_request_pages} of {self.spec.page_size} tokens)")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         req = Request(request_id, ids, params, seed, self.model.config.eos_ids, self.model.tokenizer, cache_salt)
+        req.matcher = matcher
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -296,13 +302,23 @@ class Engine:
     def _check_penalties(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check alone: the engine and the vocabulary."""
         name = next(n for n, neutral in (("repetition_penalty", 1), ("frequency_penalty", 0), ("presence_penalty", 0),
-                                          ("logit_bias", ()), ("min_tokens", 0)) if getattr(params, n) != neutral)
+                                          ("logit_bias", ()), ("min_tokens", 0), ("structured_outputs", None))
+                    if getattr(params, n) != neutral)
         if self._channel is not None:
             raise ValueError(f"{name} is not supported yet on a mesh spanning several processes")
         vocab = self.model.config.vocab_size
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """llguidance's view of the vocabulary, made at the first structured-output request."""
+        if self._grammars is None:
+            if self.model.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+            mc = self.model.config
+            self._grammars = GrammarCompiler(self.model.tokenizer, mc.vocab_size, mc.eos_ids)
+        return self._grammars
 
     def _peak_pages(self, tokens: int) -> int:
         """Most pages a request of `tokens` tokens holds at once: fewer than its length needs
@@ -394,7 +410,10 @@ class Engine:
 
     def _unguarded_step(self) -> list[RequestOutput]:
         if self.config.async_scheduling:
-            return self._async_step()
+            if not any(r.matcher is not None for r in self.requests.values()):
+                return self._async_step()
+            if self._in_flight is not None:  # a grammar's mask needs every token: read the step in flight first
+                return self._read_in_flight(None)
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
@@ -430,6 +449,11 @@ class Engine:
             for req, row in rows:
                 req.num_in_flight += 1
                 req.in_flight_row = row
+        return self._read_in_flight(launched)
+
+    def _read_in_flight(self, launched: LaunchedStep | None) -> list[RequestOutput]:
+        """Asynchronous scheduling: read the step in flight (its outputs are returned) and
+        leave `launched` in flight instead."""
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             return []
@@ -643,6 +667,7 @@ class Engine:
         tokens = np.zeros((len(plan.decode), sc.num_speculative), np.int32)
         num_draft = np.zeros(len(plan.decode), np.int32)
         for i, (req, lookahead) in enumerate(zip(plan.decode, plan.lookahead)):
+            lookahead = 0 if req.matcher is not None else lookahead  # a grammar masks one token per step
             if sc.method == "ngram" and lookahead:
                 proposal = self._ngram_index(req).propose(lookahead)
                 tokens[i, : len(proposal)] = proposal
@@ -664,7 +689,7 @@ class Engine:
                 # the tokens after the carried features, the pending one last (a prompt token
                 # when the prompt's last chunk was a single token)
                 head_tokens[i, :c] = req.tokens(req.num_tokens - c, req.num_tokens)
-                carried[i], num_draft[i] = c, lookahead
+                carried[i], num_draft[i] = c, 0 if req.matcher is not None else lookahead
         prefill_carried = np.zeros(self.scheduler.max_prefill_rows, bool)
         for (req, _), row in zip(plan.prefill, plan.prefill_rows):
             prefill_carried[row] = req.draft_carry > 0
@@ -777,7 +802,7 @@ class Engine:
             drafts = EagleBatch(num_draft=np.zeros(b, np.int32), head_tokens=np.zeros((b, draft_width + 1), np.int32),
                                 carried=np.zeros(b, np.int32), prefill_carried=np.zeros(rows, bool) if with_prefill else None)
         abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-        batch, kv = self._idle_batch(width, with_prefill, decode_rows), abstract(self.kv)
+        batch, kv = self._idle_batch(width, with_prefill, decode_rows, penalized), abstract(self.kv)
         if self.config.async_scheduling:  # its decode tokens come from `feed_decode_tokens`, on the device
             batch = dataclasses.replace(batch, decode_tokens=self._replicated(batch.decode_tokens))
         draft_kv = None if self.draft_kv is None else abstract(self.draft_kv)
@@ -807,22 +832,25 @@ class Engine:
                            "jnp reference instead (attention_impl='reference' silences this)", kernel,
                            jax.devices()[0].device_kind, type(err).__name__, (str(err).splitlines() or [""])[0])
 
-    def _idle_prefill(self) -> PrefillBatch:
+    def _idle_prefill(self, penalized: bool = False) -> PrefillBatch:
         """Prefill rows with no tokens; each idle row points at the first slot of the data
-        replica its row block belongs to, so it never refers to another replica's pages."""
+        replica its row block belongs to, so it never refers to another replica's pages.
+        With `penalized`, bitmasks allowing every token (structured output)."""
         s = self.scheduler
         rows, chunk = s.max_prefill_rows, self.config.prefill_chunk
         slots = np.arange(rows, dtype=np.int32) // s.prefill_rows_per_replica * s.slots_per_replica
         return PrefillBatch(tokens=np.zeros((rows, chunk), np.int32), slots=slots, num_new=np.zeros(rows, np.int32),
-                            shared=np.zeros(rows, np.int32))
+                            shared=np.zeros(rows, np.int32),
+                            allowed=allow_all(rows, self.model.config.vocab_size) if penalized else None)
 
-    def _idle_batch(self, width: int, with_prefill: bool, rows: int) -> StepBatch:
+    def _idle_batch(self, width: int, with_prefill: bool, rows: int, penalized: bool = False) -> StepBatch:
         b = self.spec.max_slots
         return StepBatch(
             width=width, lengths=np.zeros(b, np.int32), decode_tokens=np.zeros(rows, np.int32),
             decode_slots=np.arange(rows, dtype=np.int32), decode_active=np.zeros(rows, bool),
             sampling=SamplingArrays.from_params([SamplingParams(temperature=0)] * b, [0] * b),
-            prefill=self._idle_prefill() if with_prefill else None,
+            prefill=self._idle_prefill(penalized) if with_prefill else None,
+            allowed=allow_all(rows, self.model.config.vocab_size) if penalized else None,
         )
 
     def _batch(self, plan: SchedulePlan, draft_width: int = 0, penalized: bool = False) -> tuple[StepBatch, list[int]]:
@@ -848,14 +876,22 @@ class Engine:
             active[row], slots[row] = True, req.slot
         prefill = None
         if plan.prefill:
-            prefill = self._idle_prefill()
+            prefill = self._idle_prefill(penalized)
             for (req, n), row in zip(plan.prefill, plan.prefill_rows):
                 prefill.tokens[row, :n] = req.tokens(req.num_computed, req.num_computed + n)
                 prefill.slots[row], prefill.num_new[row], prefill.shared[row] = req.slot, n, req.num_shared_tokens
+                if req.matcher is not None and n == req.pending:  # the chunk ends the sequence: it samples
+                    prefill.allowed[row] = req.matcher.allowed()
+        allowed = None
+        if penalized:  # the programs that process logits take the grammars' bitmasks too
+            allowed = allow_all(num_rows, self.model.config.vocab_size)
+            for req, row in zip(plan.decode, rows):
+                if req.matcher is not None:
+                    allowed[row] = req.matcher.allowed()
         # numpy leaves: jit transfers them in one go, cheaper than a jnp.asarray each
         return StepBatch(
             width=width, lengths=lengths, decode_tokens=decode_tokens, decode_slots=slots, decode_active=active,
-            sampling=SamplingArrays.from_params(params, seeds), prefill=prefill,
+            sampling=SamplingArrays.from_params(params, seeds), prefill=prefill, allowed=allowed,
         ), rows
 
     def _shape(self, pages: int, decoding: int, with_prefill: bool, draft_width: int,

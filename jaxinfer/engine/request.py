@@ -6,8 +6,9 @@ import dataclasses
 import enum
 import time
 
-from jaxinfer.speculative.config import SpeculativeStats
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.speculative.config import SpeculativeStats
+from jaxinfer.structured_output import GrammarMatcher
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -109,6 +110,7 @@ class Request:
         self._hold = max((len(s) for s in params.stop), default=1) - 1  # chars a stop string may claim
         self._stopped_by_string = False
         self.ngram_index = None  # NgramIndex over prompt + generated, made by an n-gram speculating engine
+        self.matcher: GrammarMatcher | None = None  # structured output: where the output is in its grammar
 
     @property
     def all_tokens(self) -> list[int]:
@@ -158,10 +160,14 @@ class Request:
         m.num_generated_tokens += 1
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
+        if self.matcher is not None:
+            self.matcher.consume(token)
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self.finish_reason = "stop"
         elif self._decoder is not None:
             self._append_text(self._decoder.push(token))
+        if self.finish_reason is None and self.matcher is not None and self.matcher.done:
+            self.finish_reason = "stop"  # the output is complete: its grammar allows nothing more (EOS aside)
         if self.finish_reason is None and len(self.generated) >= p.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None and self._decoder is not None:

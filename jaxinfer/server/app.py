@@ -138,9 +138,6 @@ class OpenAIServer:
         if (getattr(body, "best_of", None) or 1) > 1:
             raise ErrorBody(400, "best_of > 1 is not supported: ask for n choices (with logprobs) and pick",
                             param="best_of")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise ErrorBody(400, f"response_format {body.response_format.type!r} is not supported: this server has no "
-                                 "structured (JSON-constrained) output; only 'text'", param="response_format")
         if body.num_logprobs is not None:
             self._tokenizer("logprobs")  # token strings need it
         if body.max_tokens == 0 and not getattr(body, "echo", False):
@@ -215,7 +212,7 @@ def internal_error(error: Exception, request_id: str) -> ErrorBody:
 
 def _field_of(message: str) -> str | None:
     """The field a ValueError message names: 'top_p=1.5 must be ...' -> 'top_p'."""
-    m = re.match(r"\s*([A-Za-z_]+)\s*(=|:| must| is)", message)
+    m = re.match(r"\s*([A-Za-z_]+)(\.[A-Za-z_]+)?\s*(=|:| must| is)", message)
     return m.group(1) if m else None
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
+from jaxinfer.structured_output import StructuredOutputsParams
 
 
 class ErrorBody(Exception):
@@ -33,10 +34,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema (under the key "schema") and its name."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow pydantic's
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str = "text"  # "json_object" / "json_schema" ask for structured output, which we do not have
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -62,6 +75,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # extra (vLLM's): {"json" | "regex" | "choice" | "grammar" | "json_object": ...}, and its older names
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
     cache_salt: str | None = None  # extra; defaults to `user`: tenants never share prefix pages
 
@@ -75,7 +94,7 @@ class _Common(BaseModel):
                     stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                     logprobs=self.num_logprobs, frequency_penalty=self.frequency_penalty,
                     presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-                    logit_bias=self._logit_bias(),
+                    logit_bias=self._logit_bias(), structured_outputs=self.structured(),
                     output_kind="delta" if self.stream else "cumulative")  # a stream sends only what is new
         seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**32 for i in range(self.n)]
         return [SamplingParams(seed=s, **base) for s in seeds]
@@ -84,6 +103,36 @@ class _Common(BaseModel):
     def num_logprobs(self) -> int | None:
         """`SamplingParams.logprobs`: None (off) or the number of top alternatives."""
         return None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """What the output must match, from whichever field asked (at most one may), its
+        grammar checked; a ValueError names the field."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
+            asked.append(("response_format", {"json": rf.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs))
+        for name in ("json", "regex", "choice", "grammar"):
+            if (value := getattr(self, f"guided_{name}")) is not None:
+                asked.append((f"guided_{name}", {name: value}))
+        if len(asked) > 1:
+            raise ValueError(f"{asked[0][0]}: send only one of response_format, structured_outputs and guided_* "
+                             f"(got {[field for field, _ in asked]})")
+        if not asked:
+            return None
+        field, fields = asked[0]
+        try:
+            params = StructuredOutputsParams.from_dict(fields)
+            params.grammar_text()  # a bad schema or grammar is this request's 400, not an engine error
+        except (TypeError, ValueError) as e:
+            message = str(e)
+            raise ValueError(message if message.startswith(field) else f"{field}: {message}") from None
+        return params
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI sends token ids as JSON object keys (strings)."""

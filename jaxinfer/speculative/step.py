@@ -40,6 +40,7 @@ from jaxinfer.sampling import SamplingArrays, row_keys
 from jaxinfer.speculative.drafts.propose import propose_with_model
 from jaxinfer.speculative.verify import Proposal, verify_step
 from jaxinfer.step import StepBatch, bucket_view, decode_rows, prefill_groups, rows_by_slot, sample_prefill
+from jaxinfer.structured_output import mask_logits
 
 
 @struct.dataclass
@@ -75,14 +76,17 @@ class SpeculativeOutput:
 def penalized_logits(logits: tuple[jax.Array, ...], batch: StepBatch, block: TokenGroup,
                      penalties: PenaltyState | None, new_lengths: jax.Array) -> tuple[jax.Array, ...]:
     """What verification and prefill sampling read: the raw logits per group (decode block
-    f32[R, k + 1, V], prefill f32[P, V]), penalized when the step has penalties."""
+    f32[R, k + 1, V], prefill f32[P, V]), penalized when the step has penalties, and masked
+    by `batch.allowed` (structured output) at each block's first position: a constrained
+    row verifies no drafts (`Engine._draft_batch`), so that position is the one it samples."""
     if penalties is None:
         return logits
-    scored = (penalize_block(logits[0], penalties, batch.decode_slots, block.tokens, block.positions,
-                             batch.decode_active),)
+    block_logits = penalize_block(logits[0], penalties, batch.decode_slots, block.tokens, block.positions,
+                                  batch.decode_active)
+    scored = (block_logits.at[:, 0].set(mask_logits(block_logits[:, 0], batch.allowed)),)
     if len(logits) > 1:
         slots = batch.prefill.slots
-        scored += (penalize(logits[1], penalties, slots, new_lengths[slots]),)
+        scored += (mask_logits(penalize(logits[1], penalties, slots, new_lengths[slots]), batch.prefill.allowed),)
     return scored
 
 

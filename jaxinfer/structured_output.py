@@ -1,0 +1,190 @@
+"""Structured output: sampling only what a JSON schema, regex, choice list or grammar allows.
+
+A request asks with `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`
+(vLLM's names; the server maps OpenAI's `response_format` onto it). Grammars are compiled and
+followed on the host by llguidance (the constrained-decoding library vLLM and llama.cpp use):
+
+- `GrammarCompiler`: llguidance's view of a tokenizer's vocabulary (built once per engine, ~1 s)
+  and a checked `GrammarMatcher` per request; a bad schema or grammar raises ValueError at
+  `add_request`, naming the problem;
+- `GrammarMatcher`: one request's place in its grammar. Before a step samples the request's
+  next token the host asks it for the tokens the grammar allows (`allowed`: a packed bitmask,
+  V / 8 bytes), after the step it consumes the token sampled (`consume`). The request ends
+  ("stop") when the grammar can go no further.
+
+On the device a step only applies the bitmask (`mask_logits`): disallowed tokens' logits
+become -inf, after the penalties and before temperature and the top-k / top-p / min-p filters,
+so a constrained request samples from the model's distribution renormalized over what the
+grammar allows. Logprobs stay those of the raw logits, as with penalties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.tokenizer import Tokenizer
+
+BITS = 32  # tokens per word of a packed bitmask (i32; bit t % 32 of word t // 32 is token t)
+MAX_CHOICES = 1024
+
+
+def bitmask_words(vocab: int) -> int:
+    """Words of a packed bitmask over `vocab` tokens."""
+    return -(-vocab // BITS)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's `StructuredOutputsParams`): exactly one of
+
+    - `json`: a JSON schema (a dict, or its JSON text);
+    - `json_object`: True = any JSON object (OpenAI's `response_format: {"type": "json_object"}`);
+    - `regex`: a regular expression (Rust `regex` syntax) the whole output matches;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: a context-free grammar, in llguidance's Lark dialect or llama.cpp's GBNF.
+
+    JSON may hold any whitespace between its tokens (as in vLLM) unless `disable_any_whitespace`:
+    then it is compact (`{"a":1,"b":[2,3]}`), which keeps a small model from rambling in
+    whitespace.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        for name in ("json_object", "disable_any_whitespace"):
+            _check(isinstance(getattr(self, name), bool), f"structured_outputs.{name}={getattr(self, name)!r} must be a bool")
+        _check(len(given) == 1, "structured_outputs must set exactly one of json, json_object, regex, choice, "
+               f"grammar (got {given or 'none'})")
+        if self.json is not None:
+            _check(isinstance(self.json, (str, dict)), "structured_outputs.json must be a JSON schema (an object or "
+                   f"its JSON text), got {type(self.json).__name__}")
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            _check(isinstance(schema, (dict, bool)), "structured_outputs.json must be a JSON schema (an object)")
+            object.__setattr__(self, "json", text)  # frozen: the text, never a dict a caller could change
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""),
+                   f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            _check(0 < len(choice) <= MAX_CHOICES and all(isinstance(c, str) and c for c in choice),
+                   f"structured_outputs.choice must be 1 to {MAX_CHOICES} non-empty strings, got {str(self.choice)[:200]}")
+            object.__setattr__(self, "choice", choice)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From its JSON form (`{"json": {...}}`), unknown fields refused by name."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        _check(not unknown, f"structured_outputs has unknown fields {unknown}")
+        return cls(**fields)
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar this asks for, checked (ValueError naming what is wrong)."""
+        import llguidance
+
+        try:
+            if self.json is not None or self.json_object:
+                options = {"whitespace_flexible": not self.disable_any_whitespace}
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(self.json or '{"type": "object"}', options)
+            elif self.regex is not None:
+                grammar = llguidance.grammar_from("regex", self.regex)
+            elif self.choice is not None:
+                grammar = llguidance.grammar_from("choice", list(self.choice))
+            else:
+                grammar = llguidance.grammar_from("grammar", self.grammar)
+            error = llguidance.LLMatcher.validate_grammar(grammar)
+        except ValueError as e:
+            error = str(e)
+        if error:
+            raise ValueError(f"structured_outputs.{self.kind}: {error}")
+        return grammar
+
+    @property
+    def kind(self) -> str:
+        """The field that is set."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class GrammarMatcher:
+    """One request's place in its grammar (an `llguidance.LLMatcher`)."""
+
+    def __init__(self, matcher: Any, words: int) -> None:
+        self._matcher = matcher
+        self._words = words
+
+    def allowed(self) -> np.ndarray:
+        """i32[W]: the packed bitmask of the tokens the grammar allows next."""
+        mask = np.frombuffer(self._matcher.compute_bitmask(), np.int32)
+        return mask[: self._words]
+
+    def consume(self, token: int) -> None:
+        """Advance past a sampled token; ValueError if the grammar did not allow it (only a
+        token the mask did not cover can be: a bug, or a row whose every token was masked)."""
+        if not self._matcher.consume_token(token):
+            raise ValueError(f"token {token} does not continue the structured output: {self._matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more (or ended at EOS)."""
+        return self._matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars against one tokenizer.
+
+    `vocab_size`: the model's vocabulary (rows of its logits; ids past the tokenizer's are
+    never allowed); `eos_ids`: the tokens that end a complete output."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        import llguidance
+
+        self._llguidance = llguidance
+        self._tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                                 eos_token=list(eos_ids) or None)
+        self.words = bitmask_words(vocab_size)
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher for `params` (ValueError naming what is wrong with it)."""
+        matcher = self._llguidance.LLMatcher(self._tokenizer, params.grammar_text(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
+        return GrammarMatcher(matcher, self.words)
+
+
+def allow_all(rows: int, vocab: int) -> np.ndarray:
+    """i32[rows, W]: bitmasks allowing every token (rows without a grammar)."""
+    return np.full((rows, bitmask_words(vocab)), -1, np.int32)
+
+
+def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """logits f32[N, V], allowed i32[N, W] (packed: bit t % 32 of word t // 32 allows token t)
+    -> f32[N, V] with every token its row does not allow at -inf."""
+    n, v = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(BITS, dtype=jnp.int32)) & 1  # i32[N, W, 32]
+    keep = bits.reshape(n, -1)[:, :v].astype(bool)
+    return jnp.where(keep, logits, -jnp.inf)

@@ -1,0 +1,180 @@
+"""Structured output (JSON schema, JSON object, regex, choice, Lark / GBNF grammar): the device
+mask against llguidance's numpy reference, engine outputs against a reference decoding loop
+(dense forward, llguidance's mask applied on the host, the engine's sampling keys), the same
+tokens asynchronously and with speculative decoding, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import llguidance
+import llguidance.numpy
+import numpy as np
+import pytest
+
+from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
+from jaxinfer.loading import Model
+from jaxinfer.sampling import SamplingArrays, SamplingParams
+from jaxinfer.structured_output import StructuredOutputsParams, bitmask_words, mask_logits
+from test_engine_text import model  # noqa: F401 - a tiny random model speaking SmolLM2's vocabulary
+from test_penalties import last_logits, sample
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+CHOICES = ["yes", "no", "maybe so"]
+LARK = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,2}/'
+GBNF = 'root ::= "[" item ("," item)* "]"\nitem ::= [a-c]'
+CASES = {
+    "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "json_object": StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+    "lark": StructuredOutputsParams(grammar=LARK),
+    "gbnf": StructuredOutputsParams(grammar=GBNF),
+}
+PROMPTS = ["Reply in JSON:", "Any object", "A code:", "Answer", "Sum", "List"]
+
+
+def engine(model: Model, **changes) -> Engine:
+    return Engine(model, EngineConfig(max_slots=3, page_size=8, prefill_chunk=16, max_model_len=128, **changes))
+
+
+def params(structured: StructuredOutputsParams | None, i: int, temperature: float = 0.9) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=100 + i, max_tokens=24, structured_outputs=structured)
+
+
+def llg_tokenizer(model: Model):
+    return llguidance.LLTokenizer(model.tokenizer.backend.to_str(), n_vocab=model.config.vocab_size,
+                                  eos_token=list(model.config.eos_ids))
+
+
+def reference_decode(model: Model, lltok, prompt: list[int], p: SamplingParams, seed: int) -> list[int]:
+    """A dense forward per token; llguidance's own numpy mask on the host; the engine's
+    sampling key (seed, position); until EOS, the grammar's end or max_tokens."""
+    matcher = llguidance.LLMatcher(lltok, p.structured_outputs.grammar_text())
+    mask = llguidance.numpy.allocate_token_bitmask(1, model.config.vocab_size)
+    out: list[int] = []
+    while len(out) < p.max_tokens and not matcher.is_stopped() and not set(model.config.eos_ids) & set(out[-1:]):
+        logits = last_logits(model, prompt + out)[None].copy()
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask)
+        llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
+        token = int(sample(jnp.asarray(logits), SamplingArrays.from_params([p], [seed]),
+                           jnp.asarray([len(prompt) + len(out)]))[0])
+        assert matcher.consume_token(token)
+        out.append(token)
+    return out
+
+
+def check_follows(kind: str, text: str, finished_by_grammar: bool) -> None:
+    """A finished output matches its grammar exactly."""
+    if not finished_by_grammar:
+        return
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text)
+    elif kind == "choice":
+        assert text in CHOICES
+    elif kind == "lark":
+        assert re.fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", text)
+    else:
+        assert re.fullmatch(r"\[[a-c](,[a-c])*\]", text)
+
+
+@pytest.mark.parametrize("vocab", [45, 96, 1000])
+def test_mask_logits_matches_llguidance_numpy(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    allowed = rng.integers(-(2**31), 2**31, size=(3, bitmask_words(vocab)), dtype=np.int64).astype(np.int32)
+    want = logits.copy()
+    llguidance.numpy.apply_token_bitmask_inplace(want, allowed)
+    got = np.asarray(jax.jit(mask_logits)(jnp.asarray(logits), jnp.asarray(allowed)))
+    np.testing.assert_array_equal(got, want)
+    assert np.isinf(got).any() and np.isfinite(got).any()
+
+
+def test_outputs_follow_their_grammar_and_equal_the_reference(model):
+    """Six constrained requests (sampled, seeded) beside a plain one on a 3-slot engine: each
+    equals the reference loop token for token, each finished output matches its grammar, and
+    the plain request's tokens are those of an engine that never saw a grammar."""
+    lltok = llg_tokenizer(model)
+    eng = engine(model)
+    cases = list(CASES.items())
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS] + [model.tokenizer.encode("plain")]
+    ps = [params(s, i) for i, (_, s) in enumerate(cases)] + [params(None, 9)]
+    outs = eng.generate(prompts, ps)
+    for (kind, _), prompt, p, out in zip(cases, prompts, ps, outs):
+        assert out.token_ids == reference_decode(model, lltok, prompt, p, p.seed), kind
+        check_follows(kind, out.text, out.finish_reason == "stop")
+    assert sum(o.finish_reason == "stop" for o in outs[:-1]) >= 4  # most grammars ended within 24 tokens
+    assert outs[-1].token_ids == engine(model).generate(prompts[-1:], ps[-1:])[0].token_ids
+
+
+def test_grammar_end_stops_the_request_and_steady_state_compiles_nothing(model):
+    """A choice ends the request the moment it is complete ("stop", no EOS sampled), and a
+    second identical batch compiles no program."""
+    eng = engine(model)
+    batch = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=CHOICES))] * 2
+    first = eng.generate(["Is it?", "Really?"], batch)
+    compiled = eng.metrics().compiled_programs
+    again = eng.generate(["Is it?", "Really?"], batch)
+    assert [o.text for o in again] == [o.text for o in first]
+    assert all(o.text in CHOICES and o.finish_reason == "stop" for o in first)
+    assert not set(first[0].token_ids) & set(model.config.eos_ids)
+    assert eng.metrics().compiled_programs == compiled
+
+
+def run_joining_late(eng: Engine, model: Model) -> list[list[int]]:
+    """A plain request runs two steps, then three constrained ones join (all greedy: speculative
+    sampling keeps the distribution, not the draws): everyone's tokens."""
+    first = eng.add_request("plain " * 6, params(None, 0, temperature=0))
+    outputs = {}
+    for _ in range(2):
+        outputs.update({o.request_id: o for o in eng.step() if o.finished})
+    ids = [first] + [eng.add_request(p, params(CASES[kind], i, temperature=0))
+                     for i, (p, kind) in enumerate([("Reply:", "json"), ("Code", "regex"), ("Answer", "choice")], 1)]
+    while eng.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in eng.step() if o.finished})
+    return [outputs[i].token_ids for i in ids]
+
+
+@pytest.mark.parametrize("setting", ["async", "draft"])
+def test_asynchronous_and_speculative_engines_give_the_same_tokens(model, setting):
+    """Asynchronous scheduling reads the step in flight before a grammar's first mask; a
+    speculating engine (here the target drafting for itself, so drafts are accepted) verifies
+    no drafts for constrained rows, and drafts for the plain one."""
+    from jaxinfer.speculative import DraftModel
+
+    changes = {"async": dict(async_scheduling=True),
+               "draft": dict(speculative=SpeculativeConfig("draft", 3, draft=DraftModel(model.config, model.params)))}
+    want = run_joining_late(engine(model), model)
+    assert run_joining_late(engine(model, **changes[setting]), model) == want
+
+
+def test_bad_structured_outputs_raise_naming_the_field_and_lose_nothing(model):
+    eng = engine(model)
+    good = eng.add_request("fine", SamplingParams(temperature=0, max_tokens=4, structured_outputs={"regex": "[a-z]+"}))
+    bad = [({"regex": "[a-z"}, "structured_outputs.regex"), ({"json": {"type": "objekt"}}, "structured_outputs.json"),
+           ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"), ({"json": "{not json"}, "structured_outputs.json"),
+           ({"regex": "a", "choice": ["b"]}, "exactly one"), ({}, "exactly one"), ({"choice": []}, "structured_outputs.choice"),
+           ({"jsn": {}}, "unknown fields ['jsn']"), ({"json_object": "yes"}, "structured_outputs.json_object")]
+    for fields, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            eng.add_request("x", SamplingParams(max_tokens=8, structured_outputs=fields))
+    with pytest.raises(ValueError, match="structured_outputs="):
+        SamplingParams(structured_outputs=["regex"])
+    without_tokenizer = engine(Model(config=model.config, params=model.params, tokenizer=None))
+    with pytest.raises(ValueError, match="tokenizer"):
+        without_tokenizer.add_request([1, 2], SamplingParams(structured_outputs={"regex": "a"}))
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert list(eng.requests) == [] and re.fullmatch("[a-z]+", done[good].text)
