@@ -41,8 +41,6 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
     assert from_orbax.stdout == from_gguf.stdout
     speculative = jaxinfer("generate", "--model", str(dst), "--speculative", "ngram", "--num-speculative", "3", *args)
     assert speculative.stdout == from_gguf.stdout
-    asynchronous = jaxinfer("generate", "--model", str(dst), "--async-scheduling", *args)
-    assert asynchronous.stdout == from_gguf.stdout
     penalized = jaxinfer("generate", "--model", str(dst), "--temperature", "0", "--repetition-penalty", "1.3",
                          "--max-tokens", "40", "Repeat the word 'cat' many times.")
     plain = jaxinfer("generate", "--model", str(dst), "--temperature", "0", "--max-tokens", "40",
