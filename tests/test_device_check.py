@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "device_check.py"
 
 
@@ -27,6 +29,7 @@ def test_without_a_device_it_says_what_it_would_run_and_exits_0():
     assert json.loads(lines[-1]) == dict(device=None, checks=0, failures=0, seconds=0.0)
 
 
+@pytest.mark.extended
 def test_interpret_smoke_runs_the_checks():
     run = _run("--interpret-smoke")
     assert run.returncode == 0, run.stdout + run.stderr

@@ -133,6 +133,7 @@ def test_sampled_eagle_speculation_keeps_the_target_distribution():
         assert chi_square_p(cells, expected) > 1e-3, setting
 
 
+@pytest.mark.extended
 def test_the_chi_square_check_catches_a_misreported_eagle_q(monkeypatch):
     """Power: a head that reports a q other than the one it sampled from is caught."""
     import jaxinfer.speculative.eagle.step as eagle_step
@@ -164,6 +165,7 @@ def test_an_eagle_head_round_trips_through_its_checkpoint(model, tmp_path):
         load_eagle_head(other, tmp_path / "head")
 
 
+@pytest.mark.extended
 def test_tiny_eagle_training_learns_and_saves(model, tmp_path):
     """End to end on a tiny target: generation, teacher features, training-time-test
     training (the loss falls), a checkpoint the engine loads and speculates with exactly."""

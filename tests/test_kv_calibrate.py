@@ -152,6 +152,7 @@ def test_plan_within_budget_verifies_end_to_end(tiny_calibration):
 # ---- the real model: a plan keeps its budget on held-out text -----------------------------------
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_cli_plan_respects_its_kl_budget_on_held_out_text(smollm2_gguf, tmp_path, capsys, monkeypatch):
     """`jaxinfer calibrate-kv` (default model) on 256 calibration tokens; the plan's KL measured

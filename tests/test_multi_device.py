@@ -174,6 +174,7 @@ def test_pmap_generate_agrees_with_engine():
     assert res["max_logit_diff"] < 1e-5
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_smollm2_data_parallel(smollm2_gguf):
     """Data-parallel over 8 devices (9 / 3 heads allow model=1 or 3): greedy tokens equal, and
@@ -282,6 +283,7 @@ def _pages_used(port: int) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("jaxinfer_kv_pages_used ")))
 
 
+@pytest.mark.extended
 def test_two_process_serve_has_one_scheduler(tmp_path, smollm2_gguf):
     """`jaxinfer serve` over two processes x 2 CPU devices (one data=2 mesh, gloo): process 0
     schedules and answers HTTP, process 1 runs the programs it publishes. The answers equal

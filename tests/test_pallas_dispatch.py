@@ -94,6 +94,7 @@ def test_gpu_benchmarks_without_a_gpu_say_so_and_print_nulls(script, first_line,
     assert all(v is None for v in summary.values())
 
 
+@pytest.mark.extended
 def test_kernels_gpu_benchmark_runs_its_rows_in_interpret_mode():
     """kernels_gpu.py's code path on this CPU (kernels in interpret mode, tiny shapes): decode
     and prefill rows of both GPU families, and every summary key filled (figures meaningless)."""
@@ -110,6 +111,7 @@ def test_kernels_gpu_benchmark_runs_its_rows_in_interpret_mode():
     assert all(summary[k] is not None and summary[k] > 0 for k in filled), summary
 
 
+@pytest.mark.extended
 def test_engine_gpu_benchmark_measures_each_config_on_a_tiny_model():
     """The benchmark's measuring function on a tiny model here: every config decodes, the
     steady state compiles nothing, no kernel falls back (CPU: "auto" is the reference)."""

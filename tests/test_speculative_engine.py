@@ -106,7 +106,7 @@ def test_a_request_can_opt_out_and_max_tokens_is_never_exceeded(model):
     assert len(outs[2].token_ids) == 3
 
 
-@pytest.mark.parametrize("source", ["ngram", "self", "draft-subset", "eagle"])
+@pytest.mark.parametrize("source", ["ngram", *(pytest.param(s, marks=pytest.mark.extended) for s in ("self", "draft-subset", "eagle"))])
 def test_verify_rows_shrink_to_the_requests_decoding_and_change_no_token(model, source):
     """A decode-only speculative step verifies one block per decoding request, packed into
     the smallest row bucket (a lone request on 8 slots verifies [1, k + 1], not [8, k + 1]),
@@ -276,6 +276,7 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, setting)
         assert p > P_THRESHOLD, (speculative and speculative.method, p)
 
 
+@pytest.mark.extended
 def test_the_chi_square_check_rejects_a_wrong_residual(small_vocab, monkeypatch):
     """Power: sampling the correction from p instead of normalize(max(p - q, 0)) is caught."""
     model, draft = small_vocab
