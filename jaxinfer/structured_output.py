@@ -72,10 +72,10 @@ class StructuredOutputsParams:
         if self.json is not None:
             _check(isinstance(self.json, (str, dict)), "structured_outputs.json must be a JSON schema (an object or "
                    f"its JSON text), got {type(self.json).__name__}")
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             try:
+                text = self.json if isinstance(self.json, str) else json.dumps(self.json)
                 schema = json.loads(text)
-            except json.JSONDecodeError as e:
+            except (TypeError, ValueError) as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             _check(isinstance(schema, (dict, bool)), "structured_outputs.json must be a JSON schema (an object)")
             object.__setattr__(self, "json", text)  # frozen: the text, never a dict a caller could change
@@ -84,7 +84,7 @@ class StructuredOutputsParams:
             _check(value is None or (isinstance(value, str) and value != ""),
                    f"structured_outputs.{name} must be a non-empty string")
         if self.choice is not None:
-            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            choice = tuple(self.choice) if isinstance(self.choice, (list, tuple)) else (self.choice,)
             _check(0 < len(choice) <= MAX_CHOICES and all(isinstance(c, str) and c for c in choice),
                    f"structured_outputs.choice must be 1 to {MAX_CHOICES} non-empty strings, got {str(self.choice)[:200]}")
             object.__setattr__(self, "choice", choice)
