@@ -81,12 +81,14 @@ def penalized_logits(logits: tuple[jax.Array, ...], batch: StepBatch, block: Tok
     row verifies no drafts (`Engine._draft_batch`), so that position is the one it samples."""
     if penalties is None:
         return logits
-    block_logits = penalize_block(logits[0], penalties, batch.decode_slots, block.tokens, block.positions,
-                                  batch.decode_active)
-    scored = (block_logits.at[:, 0].set(mask_logits(block_logits[:, 0], batch.allowed)),)
+    scored = (penalize_block(logits[0], penalties, batch.decode_slots, block.tokens, block.positions,
+                             batch.decode_active),)
+    if batch.allowed is not None:
+        scored = (scored[0].at[:, 0].set(mask_logits(scored[0][:, 0], batch.allowed)),)
     if len(logits) > 1:
         slots = batch.prefill.slots
-        scored += (mask_logits(penalize(logits[1], penalties, slots, new_lengths[slots]), batch.prefill.allowed),)
+        prefill = penalize(logits[1], penalties, slots, new_lengths[slots])
+        scored += (prefill if batch.prefill.allowed is None else mask_logits(prefill, batch.prefill.allowed),)
     return scored
 
 
