@@ -70,12 +70,12 @@ def engine_throughput(model, prompts, outputs, scheduling: str, rows: tuple[int,
     engine = Engine(model, EngineConfig(max_slots=SLOTS, max_model_len=1024, prefill_chunk=64,
                                         scheduling=scheduling, enable_prefix_caching=False, decode_row_buckets=rows))
     engine.warmup()
-    compiled = engine.metrics().compiled_programs
+    compiled = engine.metrics().obtained_programs
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     with StepTimer(engine) as timer:
         outs = engine.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == list(outputs)
-    return sum(outputs) / timer.wall, engine.metrics().compiled_programs - compiled, timer
+    return sum(outputs) / timer.wall, engine.metrics().obtained_programs - compiled, timer
 
 
 def async_over_sync(model, prompts, outputs, repeats: int = 2) -> tuple[float, float]:

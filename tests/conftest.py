@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
+import jax
 import pytest
 from hypothesis import settings
 
@@ -14,9 +18,22 @@ settings.register_profile("seeded", derandomize=True, database=None)
 settings.register_profile("explore", max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "seeded"))
 
-# Engines keep a persistent compilation cache by default; the suite counts compiles, so it
-# runs without one (tests/test_startup.py turns it on in subprocesses of its own).
+# Engines keep a persistent compilation cache in the user's cache by default; the suite writes
+# nothing there (tests/test_startup.py checks that cache in subprocesses of its own) ...
 os.environ["JAXINFER_COMPILATION_CACHE"] = "0"
+# ... and gives jax one of its own for the run, inherited by the subprocesses and notebook
+# kernels it starts: modules drop jax's in-memory caches, so a program that another module (or
+# process) compiled is loaded from disk, not compiled again. An engine counts both:
+# `metrics().obtained_programs`.
+# A JAX_COMPILATION_CACHE_DIR set outside is kept ("" runs without one).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+# (and in case a plugin imported jax before they were set)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")

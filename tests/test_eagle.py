@@ -81,8 +81,9 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return out + [shared + [1, 2], shared + [3]]  # a shared prefix for the prefix cache
 
 
-@pytest.mark.parametrize("settings", [dict(num_pages=9), dict(kv_cache="int8"), dict(layer_loop="scan")],
-                         ids=["preemption+prefix-cache", "int8", "scan"])
+@pytest.mark.parametrize("settings", [pytest.param(dict(num_pages=9), id="preemption+prefix-cache"),
+                                      pytest.param(dict(kv_cache="int8"), id="int8", marks=pytest.mark.extended),
+                                      pytest.param(dict(layer_loop="scan"), id="scan", marks=pytest.mark.extended)])
 def test_greedy_eagle_speculation_equals_plain_decoding(model, settings):
     plain = [o.token_ids for o in engine(model, **settings).generate(prompts(8), GREEDY)]
     eng = engine(model, SpeculativeConfig("eagle", 3, draft=random_head(model)), **settings)
@@ -96,14 +97,14 @@ def test_greedy_eagle_speculation_equals_plain_decoding(model, settings):
 def test_eagle_compiles_nothing_after_warmup_and_honours_opt_out(model):
     eng = engine(model, SpeculativeConfig("eagle", 3, draft=random_head(model)), num_pages=9)
     eng.warmup()
-    before = eng.metrics().compiled_programs
+    before = eng.metrics().obtained_programs
     rng = np.random.default_rng(3)
     ps = [rng.integers(0, 97, int(rng.integers(1, 34))).tolist() for _ in range(20)]
     sp = [SamplingParams(temperature=float(rng.choice([0.0, 1.0])), top_k=int(rng.integers(0, 5)),
                          max_tokens=int(rng.integers(1, 30)), ignore_eos=True, seed=i,
                          speculative=bool(i % 3)) for i in range(20)]
     outs = eng.generate(ps, sp)
-    assert eng.metrics().compiled_programs == before
+    assert eng.metrics().obtained_programs == before
     assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, sp))
     opted_out = [o.metrics.speculative for o, p in zip(outs, sp) if not p.speculative]
     assert all(s is None or s.drafted.sum() == 0 for s in opted_out)

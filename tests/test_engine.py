@@ -161,14 +161,14 @@ def test_two_hundred_requests_compile_nothing_after_warmup(model):
     # per context bucket: decode+prefill, and decode-only at each row bucket (by default 1 and 8)
     assert eng.decode_row_buckets == [1, 8]
     assert eng.warmup() == 3 * len(eng.context_buckets)
-    before = eng.metrics().compiled_programs
+    before = eng.metrics().obtained_programs
     rng = np.random.default_rng(11)
     ps = prompts(200, seed=12, hi=60)
     sp = [SamplingParams(temperature=float(rng.choice([0, 0.7])), top_p=0.9, seed=i, max_tokens=int(rng.integers(1, 12)))
           for i in range(200)]
     outs = eng.generate(ps, sp)
     assert all(o.finished for o in outs)
-    assert eng.metrics().compiled_programs == before
+    assert eng.metrics().obtained_programs == before
 
 
 def test_decode_rows_shrink_to_the_requests_decoding_and_change_no_token(model):
@@ -198,7 +198,7 @@ def test_decode_rows_shrink_to_the_requests_decoding_and_change_no_token(model):
     assert all(rows == min(r for r in (1, 4, 8) if r >= n) for rows, n in decode_only)
     assert all(rows == 8 for prefill, rows, _ in steps if prefill)
     assert any(shared)  # so idle rows must not return tokens for their slot
-    assert eng.metrics().compiled_programs <= len(eng.program_keys()) + 1  # + the block-table update
+    assert eng.metrics().obtained_programs <= len(eng.program_keys()) + 1  # + the block-table update
 
 
 def record_dispatches(eng: Engine) -> list[tuple]:
@@ -245,18 +245,18 @@ def test_each_engine_counts_only_its_own_programs(model):
     assert len(small.context_buckets) != len(large.context_buckets)
     for eng in (small, large):
         eng.warmup()
-    counts = [eng.metrics().compiled_programs for eng in (small, large)]
+    counts = [eng.metrics().obtained_programs for eng in (small, large)]
     # + 1: the block-table update (`kv.table_updates`)
     assert counts == [(1 + len(e.decode_row_buckets)) * len(e.context_buckets) + 1 for e in (small, large)]
     sp = SamplingParams(temperature=0.7, seed=1, max_tokens=8)
     for eng in (small, large, small):
         eng.generate(prompts(6, seed=5, hi=20), sp)
-    assert [eng.metrics().compiled_programs for eng in (small, large)] == counts
+    assert [eng.metrics().obtained_programs for eng in (small, large)] == counts
     twin = engine(model, max_slots=2, max_model_len=32, min_context_bucket=8)  # same shapes: reuses small's executables
     twin.warmup()
     twin.generate(prompts(6, seed=5, hi=20), sp)
-    assert twin.metrics().compiled_programs == 0
-    assert [eng.metrics().compiled_programs for eng in (small, large)] == counts
+    assert twin.metrics().obtained_programs == 0
+    assert [eng.metrics().obtained_programs for eng in (small, large)] == counts
 
 
 # ---- property test: random traffic never breaks page ownership ---------------------------------

@@ -143,9 +143,9 @@ def test_a_slot_forgets_its_previous_requests_history(model):
     assert outs[2].token_ids == engine(model).generate([ps[2]], BASE)[0].token_ids
     for i in (0, 1, 3):
         assert outs[i].token_ids == reference_decode(model, ps[i], params[i])
-    before = eng.metrics().compiled_programs
+    before = eng.metrics().obtained_programs
     eng.generate(ps, params)  # every program (with and without penalties) ran already
-    assert eng.metrics().compiled_programs == before
+    assert eng.metrics().obtained_programs == before
 
 
 def test_min_tokens_bans_stop_ids_and_eos_until_then(model):
@@ -194,7 +194,7 @@ SPECULATIVE_PARAMS = [dataclasses.replace(BASE, **PENALTIES["all"]), dataclasses
                       dataclasses.replace(BASE, **PENALTIES["frequency_presence"])]
 
 
-@pytest.mark.parametrize("source", ["ngram", "draft", "eagle"])
+@pytest.mark.parametrize("source", ["ngram", *(pytest.param(s, marks=pytest.mark.extended) for s in ("draft", "eagle"))])
 def test_speculative_decoding_keeps_penalized_tokens_exact(model, source):
     """Greedy speculative decoding with penalties, bias and min_tokens gives the plain
     engine's tokens, token for token, from every draft source: each block position is

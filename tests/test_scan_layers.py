@@ -145,9 +145,9 @@ def test_layer_loop_option():
         EngineConfig(layer_loop="vmap")
 
 
-@pytest.mark.parametrize("options", [{}, {"kv_cache": PLAN},
-                                     {"speculative": SpeculativeConfig("self", 3, self_layers=2)}],
-                         ids=["plain", "plan", "self_speculation"])
+@pytest.mark.parametrize("options", [pytest.param({}, id="plain"), pytest.param({"kv_cache": PLAN}, id="plan"),
+                                     pytest.param({"speculative": SpeculativeConfig("self", 3, self_layers=2)},
+                                                  id="self_speculation", marks=pytest.mark.extended)])
 def test_engine_scan_equals_unroll(options):
     config, params = tiny_model(n_layers=5)
     model = Model(config, params, None)

@@ -124,12 +124,12 @@ def test_grammar_end_stops_the_request_and_steady_state_compiles_nothing(model):
     eng = engine(model)
     batch = [SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=CHOICES))] * 2
     first = eng.generate(["Is it?", "Really?"], batch)
-    compiled = eng.metrics().compiled_programs
+    compiled = eng.metrics().obtained_programs
     again = eng.generate(["Is it?", "Really?"], batch)
     assert [o.text for o in again] == [o.text for o in first]
     assert all(o.text in CHOICES and o.finish_reason == "stop" for o in first)
     assert not set(first[0].token_ids) & set(model.config.eos_ids)
-    assert eng.metrics().compiled_programs == compiled
+    assert eng.metrics().obtained_programs == compiled
 
 
 def run_joining_late(eng: Engine, model: Model) -> list[list[int]]:

@@ -140,3 +140,8 @@ class EngineMetrics:
     compiled_programs: int  # step programs XLA compiled for this engine (not another engine's, not loaded)
     cached_programs: int = 0  # step programs loaded from the persistent compilation cache instead
     speculative: SpeculativeStats | None = None  # acceptance per position, tokens per target forward
+
+    @property
+    def obtained_programs(self) -> int:
+        """Programs this engine compiled or loaded from the persistent cache: constant in steady state."""
+        return self.compiled_programs + self.cached_programs
