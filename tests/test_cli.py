@@ -1,5 +1,5 @@
-"""The command line, run as a user would: in a subprocess (bad input, which fails before a model
-loads, also in process)."""
+"""The command line, run as a user would: in a subprocess (most bad input also in process, which
+saves the interpreter start)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
 
 
 def run_main(capsys, *args: str) -> tuple[int, str]:
-    """`jaxinfer ARGS` in this process (bad input fails before any model loads): (exit status, stderr)."""
+    """`jaxinfer ARGS` in this process: (exit status, stderr)."""
     from jaxinfer.cli import main
 
     try:
