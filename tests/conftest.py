@@ -25,15 +25,42 @@ os.environ["JAXINFER_COMPILATION_CACHE"] = "0"
 # kernels it starts: modules drop jax's in-memory caches, so a program that another module (or
 # process) compiled is loaded from disk, not compiled again. An engine counts both:
 # `metrics().obtained_programs`.
-# A JAX_COMPILATION_CACHE_DIR set outside is kept ("" runs without one).
+# A JAX_COMPILATION_CACHE_DIR set outside is kept ("" runs without one). Under `pytest -n N`
+# the controller makes the directory and its workers inherit it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+# A size limit turns on jax's file lock around cache reads and writes: without it, one process
+# can read an entry that another is still writing.
+os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+                  JAX_COMPILATION_CACHE_MAX_SIZE=str(16 << 30))
 # (and in case a plugin imported jax before they were set)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_max_size", 16 << 30)
+
+
+# Under `pytest -n N` (pytest-xdist) tests go to the workers one at a time, except these modules:
+# each runs on one worker, so its costly module fixture runs once (an 8-device subprocess bundle;
+# Gemma 3 and its transformers reference).
+ONE_WORKER_MODULES = ("tests/test_multi_device.py", "tests/test_gemma3_real.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneTestOrOneModule(LoadScopeScheduling):
+        """xdist's scheduling by scope, a scope being one test or one of ONE_WORKER_MODULES (the
+        larger scopes go out first). xdist's `loadgroup` would do this with a mark, but it renames
+        node ids, which pytest 9.2 no longer allows."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in ONE_WORKER_MODULES else nodeid
+
+    return OneTestOrOneModule(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +92,8 @@ def _no_weight_cache(monkeypatch):
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs_after_each_module():
-    """The suite runs in one process on a 24 GiB machine: XLA executables of the real model
-    (and its speculative steps) would otherwise pile up across modules."""
+    """Each test process (one, or one per `-n` worker) shares a 24 GiB machine: XLA executables
+    of the real model (and its speculative steps) would otherwise pile up across modules."""
     yield
     import gc
 

@@ -4,7 +4,7 @@
 
 sets XLA_FLAGS for DEVICES (default 8) simulated CPU devices *before* importing jax, runs
 one group of checks and prints one JSON object as its last stdout line. Modes: `meshes`
-(tiny models on (1, 8), (2, 4), (8, 1) + bad meshes), `pmap`, `smollm` (the real model,
+(tiny models on (1, 8), (2, 4), (8, 1) + bad meshes), `meshes_more` (more variants on meshes), `pmap`, `smollm` (the real model,
 data-parallel), `distributed` (one process of a two-process run; reads JAXINFER_* env).
 """
 
@@ -30,10 +30,11 @@ from jaxinfer.kv import KVCacheSpec, block_table_array, init_paged_kv, partition
 from jaxinfer.loading import Model  # noqa: E402
 from jaxinfer.model.transformer import forward  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
+from multi_device_cases import (DEFAULT_RINGS, DEFAULT_SCAN, DEFAULT_VARIANTS, MESHES, RINGS, SCAN,  # noqa: E402
+                                VARIANTS)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3],
            [5], [6, 7], [8, 9, 10], [11, 40, 41, 42, 43, 44, 45, 46]]
-MESHES = ["data=1,model=8", "data=2,model=4", "data=8,model=1"]
 
 
 def tiny() -> Model:
@@ -129,9 +130,9 @@ def check_meshes() -> dict:
                "mesh_draft": tiny_engine(model, mesh, speculative=speculative_sources()["draft"])}
     out["penalties"] = {name: [list(o.token_ids) for o in e.generate(PROMPTS, penalized[:len(PROMPTS)])]
                         for name, e in engines.items()}
-    out["variants"] = check_variants()
-    out["rings"] = check_rings()
-    out["scan"] = check_scan(model, mesh)
+    out["variants"] = check_variants(DEFAULT_VARIANTS)
+    out["rings"] = check_rings(DEFAULT_RINGS)
+    out["scan"] = check_scan(model, mesh, DEFAULT_SCAN)
     out["orbax"] = check_orbax_restore(model)
     from tiny_models import tiny_model
 
@@ -175,7 +176,15 @@ def check_kv_copies() -> dict:
     return out
 
 
-def check_variants() -> dict:
+def check_meshes_more() -> dict:
+    """The variants, ring and scan cases `meshes` leaves to the extended tests."""
+    model, mesh = tiny(), sharding.make_mesh("data=2,model=4")
+    return {"variants": check_variants(set(VARIANTS) - set(DEFAULT_VARIANTS)),
+            "rings": check_rings(set(RINGS) - set(DEFAULT_RINGS)),
+            "scan": check_scan(model, mesh, set(SCAN) - set(DEFAULT_SCAN))}
+
+
+def check_variants(names) -> dict:
     """Sliding windows (pages released behind the window, per replica), a StreamingLLM ring,
     MLA (latent pages, left to GSPMD; model=1 only) and gpt-oss layers (learned sinks,
     experts, YaRN) on meshes: tokens as on one device."""
@@ -193,13 +202,14 @@ def check_variants() -> dict:
              "streaming": (tiny_config(), "data=2,model=4", {"streaming": (2, 6)}),
              "mla": (mla_tiny_config(), "data=8,model=1", {})}
     out = {}
-    for name, (config, spec, options) in cases.items():
+    for name in names:
+        config, spec, options = cases[name]
         m = Model(config, init_random_params(config, seed=0, scale=0.3), None)
         out[name] = {"ref": engine_tokens(m, None, **options), "mesh": engine_tokens(m, sharding.make_mesh(spec), **options)}
     return out
 
 
-def check_rings() -> dict:
+def check_rings(cases) -> dict:
     """Hybrid models (a tiny Gemma-3-like and a gpt-oss-like one) whose windowed layers hold a
     ring of pages per slot (`jaxinfer.kv.window_ring`), on data=2,model=2 (4 of the 8 devices) and
     data=2,model=4 (2 KV heads kept twice): prompts and outputs past the window, then prompts
@@ -222,9 +232,13 @@ def check_rings() -> dict:
 
     out = {}
     for name, config in configs.items():
+        specs = [spec for model_name, spec in cases if model_name == name]
+        if not specs:
+            continue
         m = Model(config, init_random_params(config, seed=0, scale=0.3), None)
         ref = both_rounds(tiny_engine(m, None, max_len=64))
-        for spec, devices in (("data=2,model=2", jax.devices()[:4]), ("data=2,model=4", None)):
+        for spec in specs:
+            devices = jax.devices()[:4] if spec == "data=2,model=2" else None
             engine = tiny_engine(m, sharding.make_mesh(spec, devices), max_len=64)
             tokens = both_rounds(engine)
             k = jax.tree.leaves(engine.kv.layers[0])[0]  # layer 0 is windowed: a ring pool
@@ -235,13 +249,13 @@ def check_rings() -> dict:
     return out
 
 
-def check_scan(model: Model, mesh) -> dict:
+def check_scan(model: Model, mesh, names) -> dict:
     """Layers under `lax.scan` (stacked params and pages, a leading layer axis kept whole) on
     data=2,model=4: plain, int8 and int4 pages, self-speculation (a run ends at its layers)."""
     cases = {"plain": {}, "int8": {"kv_cache": "int8"}, "int4": {"kv_cache": "int4"},
              "self": {"speculative": speculative_sources()["self"]}}
-    return {name: {"ref": engine_tokens(model, None, **options),
-                   "mesh": engine_tokens(model, mesh, layer_loop="scan", **options)} for name, options in cases.items()}
+    return {name: {"ref": engine_tokens(model, None, **cases[name]),
+                   "mesh": engine_tokens(model, mesh, layer_loop="scan", **cases[name])} for name in names}
 
 
 def check_pool_layout(model: Model) -> dict:
@@ -365,6 +379,6 @@ def check_distributed() -> dict:
 
 
 if __name__ == "__main__":
-    result = {"meshes": check_meshes, "pmap": check_pmap, "smollm": check_smollm,
+    result = {"meshes": check_meshes, "meshes_more": check_meshes_more, "pmap": check_pmap, "smollm": check_smollm,
               "distributed": check_distributed}[MODE]()
     print(json.dumps(result))

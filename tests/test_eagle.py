@@ -40,7 +40,7 @@ def random_head(model: Model, seed: int = 0, subset: bool = True):
     return bind_head(model, params, ids)
 
 
-@pytest.mark.parametrize("context", [1, 5, 12])
+@pytest.mark.parametrize("context", [1, pytest.param(5, marks=pytest.mark.extended), 12])
 def test_training_unroll_matches_inference_drafting(model, context):
     """ttt_logits step j at pair t == the head drafting j steps past a context of t - j + 1
     true pairs over its paged cache (the training-time test trains what inference runs)."""

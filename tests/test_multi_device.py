@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from multi_device_cases import DEFAULT_RINGS, DEFAULT_SCAN, DEFAULT_VARIANTS, MESHES, RINGS, SCAN, VARIANTS
 
 CHECKS = Path(__file__).parent / "multi_device_checks.py"
 ROOT = Path(__file__).parent.parent
-MESHES = ["data=1,model=8", "data=2,model=4", "data=8,model=1"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -43,6 +43,22 @@ def run_checks(mode: str, devices: int = 8, timeout: int = 900) -> dict:
 @pytest.fixture(scope="module")
 def meshes() -> dict:
     return run_checks("meshes")
+
+
+@pytest.fixture(scope="module")
+def meshes_more() -> dict:
+    return run_checks("meshes_more")
+
+
+def cases(all_cases, default_cases) -> list:
+    """Test parameters: the cases beyond the default ones are extended."""
+    return [c if c in default_cases else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.extended)
+            for c in all_cases]
+
+
+def bundle(request, default: bool) -> dict:
+    """The `meshes` results for a default case, `meshes_more` for an extended one."""
+    return request.getfixturevalue("meshes" if default else "meshes_more")
 
 
 @pytest.mark.parametrize("spec", MESHES)
@@ -116,32 +132,33 @@ def test_penalties_on_a_mesh_equal_single_device(meshes):
     assert meshes["penalties"]["ref"][0] != meshes["ref_tokens"][0]  # the penalties changed something
 
 
-@pytest.mark.parametrize("variant", ["window", "streaming", "mla", "gpt_oss"])
-def test_attention_variants_on_a_mesh_equal_one_device(meshes, variant):
-    assert meshes["variants"][variant]["mesh"] == meshes["variants"][variant]["ref"]
+@pytest.mark.parametrize("variant", cases(VARIANTS, DEFAULT_VARIANTS))
+def test_attention_variants_on_a_mesh_equal_one_device(request, variant):
+    c = bundle(request, variant in DEFAULT_VARIANTS)["variants"][variant]
+    assert c["mesh"] == c["ref"]
 
 
 # stored KV heads (2 heads, kept twice on model=4) -> heads one device holds
 RING_HEADS = {"data=2,model=2": (2, 1), "data=2,model=4": (4, 1)}
 
 
-@pytest.mark.parametrize("model", ["gemma3", "gpt_oss"])
-@pytest.mark.parametrize("spec", list(RING_HEADS))
-def test_window_rings_on_a_mesh_equal_one_device(meshes, model, spec):
+@pytest.mark.parametrize("model,spec", cases(RINGS, DEFAULT_RINGS))
+def test_window_rings_on_a_mesh_equal_one_device(request, model, spec):
     """A hybrid model's windowed layers keep their bounded ring pool on a mesh: 8 slots x 5 ring
     pages + a spare page per data replica, each device holding its replica's half (its slots'
     rings) and its share of the KV heads, as bounded as on one device; greedy tokens equal, also
     for 4 requests hitting a cached 40-token prefix (10 pages each)."""
-    c = meshes["rings"][f"{model} {spec}"]
+    c = bundle(request, (model, spec) in DEFAULT_RINGS)["rings"][f"{model} {spec}"]
     assert c["mesh"] == c["ref"] and c["prefix_hits"] >= 4 * 10
     stored, held = RING_HEADS[spec]
     assert c["window_ring"] == 5 and c["ring_k_shape"][:3] == [2 * (4 * 5 + 1), 4, stored]
     assert c["ring_k_shard_shape"][:3] == [4 * 5 + 1, 4, held] and c["ring_k_spec"] == ["data", None, "model"]
 
 
-@pytest.mark.parametrize("case", ["plain", "int8", "int4", "self"])
-def test_scanned_layers_on_a_mesh_equal_one_device(meshes, case):
-    assert meshes["scan"][case]["mesh"] == meshes["scan"][case]["ref"]
+@pytest.mark.parametrize("case", cases(SCAN, DEFAULT_SCAN))
+def test_scanned_layers_on_a_mesh_equal_one_device(request, case):
+    c = bundle(request, case in DEFAULT_SCAN)["scan"][case]
+    assert c["mesh"] == c["ref"]
 
 
 def test_orbax_restores_straight_into_shardings(meshes):
