@@ -6,6 +6,11 @@ import argparse
 import dataclasses
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxinfer.engine import EngineConfig
+    from jaxinfer.loading import Model
 
 DESCRIPTION = """jaxinfer: functional LLM inference in JAX over a paged KV cache.
 
@@ -57,6 +62,11 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    "'draft[:DIR]' (a trained draft; default checkpoints/smollm2_draft) or 'eagle[:DIR]' (an EAGLE "
                    "head over the model's features; default checkpoints/smollm2_eagle)")
     p.add_argument("--num-speculative", type=int, default=4, help="draft tokens verified per step (k)")
+
+
+def _fit_context(config: EngineConfig, model: Model) -> EngineConfig:
+    """The engine config with max_model_len cut to the model's context."""
+    return dataclasses.replace(config, max_model_len=min(config.max_model_len, model.config.max_position))
 
 
 def _speculative(args: argparse.Namespace):
@@ -229,14 +239,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty, structured_outputs=_structured(args))
     prompts = _read_prompts(args)
-    speculative = _speculative(args)
     mesh = _mesh(args)
+    config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len, mesh=mesh,  # checked before loading
+                          attention_impl=args.attention_impl, speculative=_speculative(args),
+                          async_scheduling=args.async_scheduling, compilation_cache=not args.no_compilation_cache)
     model = _load(args.model, args.dtype, mesh)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
-    engine = Engine(model, EngineConfig(max_slots=args.max_slots, max_model_len=min(args.max_model_len, model.config.max_position),
-                                        mesh=mesh, attention_impl=args.attention_impl, speculative=speculative,
-                                        async_scheduling=args.async_scheduling,
-                                        compilation_cache=not args.no_compilation_cache))
+    engine = Engine(model, _fit_context(config, model))
     if engine.is_follower:  # a mesh over several processes: process 0 schedules and prints
         engine.follow()
         return
@@ -315,15 +324,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from jaxinfer.engine.multihost import spans_processes
     from jaxinfer.server import build_server, serve
 
-    speculative = _speculative(args)
     mesh = _mesh(args)
-    model = _load(args.model, args.dtype, mesh)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
-                          max_model_len=min(args.max_model_len, model.config.max_position),
-                          attention_impl=args.attention_impl, speculative=speculative,
-                          async_scheduling=args.async_scheduling,
-                          compilation_cache=not args.no_compilation_cache, mesh=mesh)
+                          max_model_len=args.max_model_len, attention_impl=args.attention_impl,
+                          speculative=_speculative(args), async_scheduling=args.async_scheduling,
+                          compilation_cache=not args.no_compilation_cache, mesh=mesh)  # checked before loading
+    model = _load(args.model, args.dtype, mesh)
+    config = _fit_context(config, model)
     if spans_processes(mesh) and jax.process_index() != 0:  # process 0 schedules and serves HTTP; here: follow it
         print(f"process {jax.process_index()}: following process 0's engine", file=sys.stderr, flush=True)
         Engine(model, config).follow()
