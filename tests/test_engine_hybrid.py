@@ -67,6 +67,7 @@ def test_preemption_and_scanned_layers_with_rings(model):
     assert [o.token_ids for o in scanned.generate(ps, greedy(12))] == want
 
 
+@pytest.mark.extended
 def test_ngram_speculation_and_int8_kv_with_rings(model):
     kv_cache = "int8"
     rng = np.random.default_rng(8)

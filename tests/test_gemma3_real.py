@@ -164,6 +164,7 @@ def test_engine_with_ngram_speculation_and_the_server(ours, hf):
         srv.stop()
 
 
+@pytest.mark.extended  # prefix hits over rings: tests/test_prefix_cache_rings.py; int8 on SmolLM2: tests/test_kv_quant.py
 def test_engine_with_prefix_caching_and_int8_kv(ours, hf):
     """Two requests sharing a 40-token prefix give transformers' greedy tokens with prefix
     caching (the second request's global layers read the first's pages, its windowed rings are

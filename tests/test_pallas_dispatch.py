@@ -216,6 +216,7 @@ def test_mla_decode_runs_the_kernel_prefill_the_reference(monkeypatch):
         np.testing.assert_allclose(decode, want[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.extended  # tests/test_pallas_mla.py checks the MLA kernel against the reference
 def test_engine_mla_kernel_tokens_match_the_reference():
     """An MLA tiny model served with the GPU-style and the TPU-style MLA decode kernel
     (interpret mode) greedy-decodes the reference's tokens."""

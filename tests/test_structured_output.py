@@ -146,7 +146,7 @@ def run_joining_late(eng: Engine, model: Model) -> list[list[int]]:
     return [outputs[i].token_ids for i in ids]
 
 
-@pytest.mark.parametrize("setting", ["async", "draft"])
+@pytest.mark.parametrize("setting", ["async", pytest.param("draft", marks=pytest.mark.extended)])
 def test_asynchronous_and_speculative_engines_give_the_same_tokens(model, setting):
     """Asynchronous scheduling reads the step in flight before a grammar's first mask; a
     speculating engine (here the target drafting for itself, so drafts are accepted) verifies
