@@ -4,8 +4,9 @@
 
 sets XLA_FLAGS for DEVICES (default 8) simulated CPU devices *before* importing jax, runs
 one group of checks and prints one JSON object as its last stdout line. Modes: `meshes`
-(tiny models on (1, 8), (2, 4), (8, 1) + bad meshes), `meshes_more` (more variants on meshes), `pmap`, `smollm` (the real model,
-data-parallel), `distributed` (one process of a two-process run; reads JAXINFER_* env).
+(tiny models on (1, 8), (2, 4), (8, 1) + bad meshes), `meshes_more` (the variant, ring and
+scan cases `meshes` leaves out: tests/multi_device_cases.py), `pmap`, `smollm` (the real
+model, data-parallel), `distributed` (one process of a two-process run; reads JAXINFER_* env).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterable
 
 MODE = sys.argv[1]
 DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 8
@@ -184,7 +186,7 @@ def check_meshes_more() -> dict:
             "scan": check_scan(model, mesh, set(SCAN) - set(DEFAULT_SCAN))}
 
 
-def check_variants(names) -> dict:
+def check_variants(names: Iterable[str]) -> dict:
     """Sliding windows (pages released behind the window, per replica), a StreamingLLM ring,
     MLA (latent pages, left to GSPMD; model=1 only) and gpt-oss layers (learned sinks,
     experts, YaRN) on meshes: tokens as on one device."""
@@ -209,7 +211,7 @@ def check_variants(names) -> dict:
     return out
 
 
-def check_rings(cases) -> dict:
+def check_rings(cases: Iterable[tuple[str, str]]) -> dict:
     """Hybrid models (a tiny Gemma-3-like and a gpt-oss-like one) whose windowed layers hold a
     ring of pages per slot (`jaxinfer.kv.window_ring`), on data=2,model=2 (4 of the 8 devices) and
     data=2,model=4 (2 KV heads kept twice): prompts and outputs past the window, then prompts
@@ -249,7 +251,7 @@ def check_rings(cases) -> dict:
     return out
 
 
-def check_scan(model: Model, mesh, names) -> dict:
+def check_scan(model: Model, mesh, names: Iterable[str]) -> dict:
     """Layers under `lax.scan` (stacked params and pages, a leading layer axis kept whole) on
     data=2,model=4: plain, int8 and int4 pages, self-speculation (a run ends at its layers)."""
     cases = {"plain": {}, "int8": {"kv_cache": "int8"}, "int4": {"kv_cache": "int4"},
