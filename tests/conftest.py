@@ -30,15 +30,16 @@ os.environ["JAXINFER_COMPILATION_CACHE"] = "0"
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-# A size limit turns on jax's file lock around cache reads and writes: without it, one process
-# can read an entry that another is still writing.
-os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-                  JAX_COMPILATION_CACHE_MAX_SIZE=str(16 << 30))
+# Programs that compile in under half a second (eager ops, tiny models) are not worth a disk
+# entry. No size limit: with one, jax scans every entry (a stat and a read each) on every write,
+# ~1 s per write at the ~5k entries of a run. Without its lock a worker may read an entry the
+# other is still writing; jax then warns and compiles the program itself.
+os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 # (and in case a plugin imported jax before they were set)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 
 # Under `pytest -n N` (pytest-xdist) tests go to the workers one at a time, except these modules:
