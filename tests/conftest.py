@@ -40,6 +40,7 @@ os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_compilation_cache_max_size", -1)
 
 
 # Under `pytest -n N` (pytest-xdist) tests go to the workers one at a time, except these modules:
