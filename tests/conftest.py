@@ -34,11 +34,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # entry. No size limit: with one, jax scans every entry (a stat and a read each) on every write,
 # ~1 s per write at the ~5k entries of a run. Without its lock a worker may read an entry the
 # other is still writing; jax then warns and compiles the program itself.
-os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+MIN_COMPILE_SECS = 0.5
+# The environment for the subprocesses and notebook kernels; jax's config for this process,
+# which imported jax above.
+os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(MIN_COMPILE_SECS),
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
-# (and in case a plugin imported jax before they were set)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"] or None)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_compilation_cache_max_size", -1)
 
