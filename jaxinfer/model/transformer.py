@@ -181,11 +181,14 @@ def forward_hidden(
     params: ModelParams, config: ModelConfig, kv: PagedKVState, groups: tuple[TokenGroup, ...],
     attention_impl: str = "reference", mesh: jax.sharding.Mesh | None = None,
     inputs: jax.Array | None = None,  # [N, D]: the first layer's input (flattened groups) instead of embeddings
+    taps: tuple[int, ...] = (),
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], PagedKVState]:
     """`forward_groups` that also returns each group's hidden states [B, T, D]: the residual
     stream after the last layer, before the final norm (the features an EAGLE draft head
     reads, `jaxinfer.speculative.eagle`). XLA drops them where the caller does not use them.
-    `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
+    With `taps` (layer indices), the streams after those layers instead, [B, T, len(taps), D]
+    (an EAGLE-3 head fuses them); a tap must end a run of scanned layers (`layer_runs`'s
+    `split_at`). `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     # windowed layers of a hybrid model: their own pool, a ring of pages per slot (`jaxinfer.kv.window_ring`)
     ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size, kv.window_pool_pages)
@@ -212,15 +215,22 @@ def forward_hidden(
         h = mlp(xn, layer.w_gate, layer.w_up, layer.w_down) if config.moe is None else moe_mlp(xn, layer, config.moe)
         return x + post_norm(h, getattr(layer, "post_mlp_norm", None)), layer_kv
 
-    caches = []
+    caches, tapped = [], []
     for first, layer, layer_kv in _entries(config, params, kv):
+        n = layer.n if isinstance(layer, LayerStack) else 1
+        if any(first <= t < first + n - 1 for t in taps):
+            raise ValueError(f"taps={taps}: a tap inside the scanned run of layers {first}..{first + n - 1}")
         if isinstance(layer, LayerStack):
             x, layer_kv = _scan_run(decoder_layer, x, layer, layer_kv, config.window(first))
         else:
             x, layer_kv = decoder_layer(x, layer, layer_kv, config.window(first))
         caches.append(layer_kv)
+        if first + n - 1 in taps:
+            tapped.append(x)
+    if len(tapped) != len(taps):
+        raise ValueError(f"taps={taps} must be distinct layer indices below {config.n_layers}")
     kv = dataclasses.replace(kv, layers=tuple(caches))
-    hidden = _split(x, groups)
+    hidden = _split(jnp.stack(tapped, axis=1) if taps else x, groups)
     x = rms_norm(x, params.final_norm, config.rms_eps)
 
     logits = []

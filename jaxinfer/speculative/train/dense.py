@@ -43,9 +43,9 @@ def dense_attention(config: ModelConfig, layer: LayerParams, x: jax.Array, inv_f
     return linear(out.reshape(b, t, c.n_heads * c.head_dim), layer.wo)
 
 
-def dense_features(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """The residual stream after the last layer (before the final norm): tokens i32[B, T] ->
-    [B, T, D], the features an EAGLE head reads (`jaxinfer.model.forward_hidden` in serving).
+def dense_streams(params: ModelParams, config: ModelConfig, tokens: jax.Array, layers: tuple[int, ...]) -> jax.Array:
+    """The residual streams after `layers` (increasing indices): tokens i32[B, T] ->
+    [B, T, len(layers), D] (`jaxinfer.model.forward_hidden`'s `taps` in serving).
 
     The same layer math as `transformer.forward_groups`, but dense and differentiable
     (no paged cache). Right-padding is harmless: position t sees only tokens <= t.
@@ -53,11 +53,20 @@ def dense_features(params: ModelParams, config: ModelConfig, tokens: jax.Array) 
     c = config
     inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
     x = params.embed[tokens].astype(c.jnp_dtype)  # [B, T, D]
-    for i, layer in enumerate(unstack(params.layers)):
+    streams = []
+    for i, layer in enumerate(unstack(params.layers)[: max(layers) + 1]):
         mask = causal_mask(tokens.shape[1], c.window(i))
         x = x + dense_attention(c, layer, rms_norm(x, layer.attn_norm, c.rms_eps), inv_freq, mask)
         x = x + swiglu_mlp(rms_norm(x, layer.mlp_norm, c.rms_eps), layer.w_gate, layer.w_up, layer.w_down)
-    return x
+        if i in layers:
+            streams.append(x)
+    return jnp.stack(streams, axis=2)
+
+
+def dense_features(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The residual stream after the last layer (before the final norm): tokens i32[B, T] ->
+    [B, T, D], the features an EAGLE head reads (`jaxinfer.model.forward_hidden` in serving)."""
+    return dense_streams(params, config, tokens, (config.n_layers - 1,))[:, :, 0]
 
 
 def dense_hidden(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:
