@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--lr", type=float, help="peak AdamW learning rate, cosine schedule (default 2e-3)")
     td.add_argument("--ttt-steps", type=int, default=3, help="(eagle) head steps unrolled on its own predictions")
     td.add_argument("--sequences", help="(eagle) .npz cache of the generated text: read if it exists, else written")
+    td.add_argument("--feature-layers", type=_layer_list, default=(),
+                    help="(eagle) target layers whose outputs the head fuses (EAGLE-3), e.g. 2,15,29, or 'auto' "
+                         "(a low, the middle and the last layer); default 'last': the last layer's alone, unfused")
     td.add_argument("--seed", type=int, default=0)
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -342,6 +345,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(server, args.host, args.port, grace_s=args.grace_period)
 
 
+def _layer_list(text: str) -> tuple[int, ...] | str:
+    """'2,15,29' -> (2, 15, 29); 'last' -> (); 'auto' as is (`--feature-layers`)."""
+    if text.strip() in ("last", "auto"):
+        return () if text.strip() == "last" else "auto"
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices, 'auto' or 'last'") from None
+
+
 def cmd_train_draft(args: argparse.Namespace) -> None:
     import os
 
@@ -356,7 +369,7 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
         from jaxinfer.speculative.train.eagle import EagleTrainingConfig, train_eagle
 
         cfg = EagleTrainingConfig(vocab_subset=args.vocab_subset, new_tokens=args.new_tokens, ttt_steps=args.ttt_steps,
-                                  seed=args.seed, **given)
+                                  feature_layers=args.feature_layers, seed=args.seed, **given)
         params, vocab_ids, figures = train_eagle(model, cfg, sequences_file=args.sequences, log=log)
         save_eagle_head(params, vocab_ids, model, args.out, figures)
         print(f"held-out agreement per draft position {figures['init_held_out_agreement']} (untrained) -> "

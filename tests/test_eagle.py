@@ -15,9 +15,12 @@ from jaxinfer.loading import Model
 from jaxinfer.model import TokenGroup
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.speculative import SpeculativeConfig
+from jaxinfer.model import forward_hidden
+from jaxinfer.model.stacking import layer_runs, with_layer_runs
 from jaxinfer.speculative.eagle import bind_head, init_eagle_params, load_eagle_head, save_eagle_head
+from jaxinfer.speculative.eagle.head import target_features
 from jaxinfer.speculative.eagle.step import _head_forward
-from jaxinfer.speculative.train.dense import dense_features
+from jaxinfer.speculative.train.dense import dense_features, dense_streams
 from jaxinfer.speculative.train.eagle import ttt_logits
 from tiny_models import random_tokens, tiny_model
 
@@ -30,9 +33,17 @@ def model() -> Model:
     return Model(config=config, params=params, tokenizer=None)
 
 
-def random_head(model: Model, seed: int = 0, subset: bool = True):
-    """A head with random (not the init's near-identity) weights, so every part matters."""
-    params = init_eagle_params(model, seed)
+@pytest.fixture(scope="module")
+def deep() -> Model:
+    """Four layers: room for taps inside what would be one scanned run."""
+    config, params = tiny_model(max_position=512, n_layers=4)
+    return Model(config=config, params=params, tokenizer=None)
+
+
+def random_head(model: Model, seed: int = 0, subset: bool = True, feature_layers: tuple[int, ...] = ()):
+    """A head with random (not the init's near-identity) weights, so every part matters;
+    `feature_layers`: an EAGLE-3 head fusing those layers' streams."""
+    params = init_eagle_params(model, seed, feature_layers)
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     params = jax.tree.unflatten(tree, [a + 0.3 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
@@ -40,15 +51,22 @@ def random_head(model: Model, seed: int = 0, subset: bool = True):
     return bind_head(model, params, ids)
 
 
-@pytest.mark.parametrize("context", [1, pytest.param(5, marks=pytest.mark.extended), 12])
-def test_training_unroll_matches_inference_drafting(model, context):
+@pytest.mark.parametrize("context,fused", [(1, False), pytest.param(5, False, marks=pytest.mark.extended), (12, False),
+                                           (6, True)])
+def test_training_unroll_matches_inference_drafting(model, context, fused):
     """ttt_logits step j at pair t == the head drafting j steps past a context of t - j + 1
-    true pairs over its paged cache (the training-time test trains what inference runs)."""
-    head = random_head(model)
+    true pairs over its paged cache (the training-time test trains what inference runs);
+    `fused`: an EAGLE-3 head over both layers' streams."""
+    head = random_head(model, feature_layers=(0, 1) if fused else ())
     c, steps, t = model.config, 3, 20
     tokens = random_tokens((1, t), c.vocab_size, seed=context)
-    features = dense_features(model.params, c, jnp.asarray(tokens))  # [1, T, D]
-    trained = ttt_logits(head.params, head.embed, head.lm_head, c, jnp.asarray(tokens), features, steps)
+    if fused:  # training reads the streams; drafting, the feature the step fused from them
+        streams = dense_streams(model.params, c, jnp.asarray(tokens), (0, 1))  # [1, T, 2, D]
+        trained = ttt_logits(head.params, head.embed, head.lm_head, c, jnp.asarray(tokens), streams, steps)
+        features = target_features(head.params, streams, c.rms_eps)
+    else:
+        features = dense_features(model.params, c, jnp.asarray(tokens))  # [1, T, D]
+        trained = ttt_logits(head.params, head.embed, head.lm_head, c, jnp.asarray(tokens), features, steps)
 
     spec = KVCacheSpec.for_batch(1, 64, page_size=8)
     hkv = init_paged_kv(head.config, spec)
@@ -67,6 +85,27 @@ def test_training_unroll_matches_inference_drafting(model, context):
                            slots=slots, num_new=jnp.ones(1, jnp.int32), logits_index=jnp.zeros(1, jnp.int32))
         logits, feature, hkv = _head_forward(head.params, head.embed, head.lm_head, head.config, hkv, group, feature,
                                              "reference")
+
+
+@pytest.mark.parametrize("loop", ["unroll", "scan"])
+def test_tapped_streams_match_the_dense_forward(deep, loop):
+    """forward_hidden's taps (serving, paged) == dense_streams (training), also when the
+    layers run as scans cut at the taps; a tap inside a scanned run is refused."""
+    c, taps = deep.config, (0, 2, 3)
+    tokens = random_tokens((2, 9), c.vocab_size, seed=1)
+    runs = layer_runs(c, split_at=(1, 3)) if loop == "scan" else None
+    spec = KVCacheSpec.for_batch(2, 16, page_size=8)
+    kv = init_paged_kv(c, spec, layer_runs=runs)
+    kv = kv.replace(block_tables=jnp.arange(1, spec.num_pages, dtype=jnp.int32).reshape(2, -1))
+    group = TokenGroup(tokens=jnp.asarray(tokens), positions=jnp.broadcast_to(jnp.arange(9), (2, 9)),
+                       slots=jnp.arange(2, dtype=jnp.int32), num_new=jnp.full(2, 9, jnp.int32))
+    params = with_layer_runs(deep.params, runs)
+    _, (streams,), _ = forward_hidden(params, c, kv, (group,), taps=taps)
+    expected = dense_streams(deep.params, c, jnp.asarray(tokens), taps)  # [2, 9, 3, D]
+    np.testing.assert_allclose(np.asarray(streams), np.asarray(expected), rtol=1e-4, atol=1e-4)
+    if loop == "scan":
+        with pytest.raises(ValueError, match="inside the scanned run"):
+            forward_hidden(params, c, kv, (group,), taps=(0, 1, 3))
 
 
 def engine(model, speculative=None, **kw) -> Engine:
@@ -110,12 +149,26 @@ def test_eagle_compiles_nothing_after_warmup_and_honours_opt_out(model):
     assert all(s is None or s.drafted.sum() == 0 for s in opted_out)
 
 
+@pytest.mark.parametrize("loop", ["unroll", pytest.param("scan", marks=pytest.mark.extended)])
+def test_greedy_fused_eagle_speculation_equals_plain_decoding(deep, loop):
+    """An EAGLE-3 head (three tapped layers; scanned layers split at them) is exact too."""
+    plain = [o.token_ids for o in engine(deep, layer_loop=loop).generate(prompts(6), GREEDY)]
+    eng = engine(deep, SpeculativeConfig("eagle", 3, draft=random_head(deep, feature_layers=(0, 2, 3))), layer_loop=loop)
+    assert [o.token_ids for o in eng.generate(prompts(6), GREEDY)] == plain
+    assert eng.metrics().speculative.drafted.sum() > 0
+
+
 def test_bad_eagle_heads_are_rejected(model, tmp_path):
     with pytest.raises(FileNotFoundError, match="not an EAGLE head"):
         engine(model, SpeculativeConfig("eagle", 2, draft=tmp_path))
     other = Model(*tiny_model(seed=5, max_position=512, d_model=48, head_dim=12), None)
     with pytest.raises(ValueError, match="different target"):
         engine(model, SpeculativeConfig("eagle", 2, draft=random_head(other)))
+    with pytest.raises(ValueError, match="feature_layers"):
+        init_eagle_params(model, 0, (1, 0))
+    fused = init_eagle_params(model, 0, (0, 1))
+    with pytest.raises(ValueError, match="fusion weights"):
+        bind_head(model, dataclasses.replace(fused, feature_layers=(1,)), np.arange(10))
     assert SpeculativeConfig.parse("eagle:/x", 3).draft == "/x"
 
 
@@ -154,11 +207,13 @@ def test_the_chi_square_check_catches_a_misreported_eagle_q(monkeypatch):
     assert chi_square_p(cells, expected) < 1e-3
 
 
-def test_an_eagle_head_round_trips_through_its_checkpoint(model, tmp_path):
-    head = random_head(model)
+@pytest.mark.parametrize("feature_layers", [(), (0, 1)])
+def test_an_eagle_head_round_trips_through_its_checkpoint(model, tmp_path, feature_layers):
+    head = random_head(model, feature_layers=feature_layers)
     save_eagle_head(head.params, head.vocab_ids, model, tmp_path / "head", figures={"note": "test"})
     loaded = load_eagle_head(model, tmp_path / "head")
     np.testing.assert_array_equal(loaded.vocab_ids, head.vocab_ids)
+    assert loaded.feature_layers == feature_layers
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(head.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b.astype(jnp.bfloat16).astype(a.dtype)))
     other = Model(dataclasses.replace(model.config, d_model=48), model.params, None)
@@ -167,13 +222,15 @@ def test_an_eagle_head_round_trips_through_its_checkpoint(model, tmp_path):
 
 
 @pytest.mark.extended
-def test_tiny_eagle_training_learns_and_saves(model, tmp_path):
+@pytest.mark.parametrize("feature_layers", [(), "auto"])
+def test_tiny_eagle_training_learns_and_saves(model, tmp_path, feature_layers):
     """End to end on a tiny target: generation, teacher features, training-time-test
-    training (the loss falls), a checkpoint the engine loads and speculates with exactly."""
+    training (the loss falls), a checkpoint the engine loads and speculates with exactly;
+    unfused and with EAGLE-3's fusion."""
     from jaxinfer.speculative.train.eagle import EagleTrainingConfig, train_eagle
 
     cfg = EagleTrainingConfig(vocab_subset=48, new_tokens=24, temperatures=(0.0, 1.0), top_k=8, epochs=6, lr=1e-2,
-                              batch_size=4, holdout_every=4)
+                              batch_size=4, holdout_every=4, feature_layers=feature_layers)
     training_prompts = [random_tokens((6,), model.config.vocab_size, seed=s).tolist() for s in range(8)]
     cache = tmp_path / "sequences.npz"
     params, vocab_ids, figures = train_eagle(model, cfg, prompts=training_prompts, sequences_file=str(cache))
@@ -181,6 +238,7 @@ def test_tiny_eagle_training_learns_and_saves(model, tmp_path):
     assert 0 < losses[-1] < 0.9 * losses[0], losses
     assert figures["sequences"] == 16 and cache.exists()
     assert len(figures["final_held_out_agreement"]) == cfg.ttt_steps
+    assert params.feature_layers == (() if feature_layers == () else (1,))  # "auto" on 2 layers: the last, fused
     path = save_eagle_head(params, vocab_ids, model, tmp_path / "head", figures)
     plain = [o.token_ids for o in engine(model).generate(prompts(4), GREEDY)]
     eng = engine(model, SpeculativeConfig("eagle", 3, draft=str(path)))

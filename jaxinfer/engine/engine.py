@@ -118,9 +118,12 @@ class Engine:
         self.spec = KVCacheSpec(num_pages=num_pages, page_size=config.page_size,
                                 max_slots=config.max_slots, max_pages_per_seq=pages_per_seq)
         self.compilation_cache = use_persistent_cache(config.compilation_cache)
-        sc = config.speculative  # scanned: params and cache stacked in runs; a self-draft's layers end one
-        runs = (layer_runs(mc, config.kv_cache, (sc.self_layers,) if sc and sc.method == "self" else ())
-                if resolve_layer_loop(config.layer_loop) == "scan" else None)
+        sc = config.speculative  # scanned: params and cache stacked in runs; a self-draft's layers end one,
+        # as does each layer an EAGLE-3 head taps
+        eagle = self._eagle_head(sc) if sc and sc.method == "eagle" else None
+        split_at = ((sc.self_layers,) if sc and sc.method == "self" else
+                    tuple(i + 1 for i in eagle.feature_layers if i + 1 < mc.n_layers) if eagle else ())
+        runs = layer_runs(mc, config.kv_cache, split_at) if resolve_layer_loop(config.layer_loop) == "scan" else None
         params = with_layer_runs(model.params, runs)
         if resolve_weight_layouts(config.weight_layouts, params, config.mesh) == "all":
             params = with_gemm_weights(params)
@@ -149,7 +152,7 @@ class Engine:
             self.model, self.kv, self._step, self._place = sharding.shard_engine(model, self.kv, config.mesh,
                                                                                  config.max_slots, engine_step)
             self._apply_tables, self._place_updates = sharding.shard_table_updates(config.mesh, apply_table_updates)
-        self._init_speculation(config.speculative)  # after sharding: a self-draft shares the sharded params
+        self._init_speculation(config.speculative, eagle)  # after sharding: a self-draft shares the sharded params
         if config.mesh is not None and config.speculative is not None:
             self.draft, self.draft_kv, self._draft_vocab, self._spec_step = sharding.shard_speculation(
                 config.mesh, self.model.params, self.kv, self.draft, self.draft_kv, self._draft_vocab, speculative_step)
@@ -193,7 +196,7 @@ class Engine:
         if self._channel is not None and config.async_scheduling:
             raise ValueError("async_scheduling=True is not supported yet on a mesh spanning several processes")
 
-    def _init_speculation(self, sc: SpeculativeConfig | None) -> None:
+    def _init_speculation(self, sc: SpeculativeConfig | None, eagle: EagleHead | None) -> None:
         """The draft source: n-gram (host), the target's first layers, or a draft model with
         its own pages (same page ids and block tables as the target's)."""
         self.draft: DraftModel | None = None
@@ -219,7 +222,7 @@ class Engine:
             self.draft = self_draft(mc, self.model.params, sc.self_layers)
             return
         if sc.method == "eagle":
-            self._init_eagle(sc)
+            self._init_eagle(sc, eagle)
             return
         draft = sc.draft
         if not isinstance(draft, DraftModel):
@@ -231,13 +234,17 @@ class Engine:
         self.draft_kv = self._commit(init_paged_kv(
             draft.config, self.spec, kv_head_copies=sharding.kv_head_copies(draft.config.n_kv_heads, self.config.mesh)))
 
-    def _init_eagle(self, sc: SpeculativeConfig) -> None:
-        """An EAGLE head: its one layer of pages and the features each slot carries."""
+    def _eagle_head(self, sc: SpeculativeConfig) -> EagleHead:
+        """The configured EAGLE head, loaded and checked against the target."""
         if self.config.mesh is not None:
             raise ValueError("an EAGLE draft head on a mesh is not supported yet: use 'ngram', 'self' or 'draft'")
         head = sc.draft if isinstance(sc.draft, EagleHead) else load_eagle_head(self.model, sc.draft or DEFAULT_EAGLE_PATH)
         if head.config.d_model != self.model.config.d_model or head.embed.shape != self.model.params.embed.shape:
             raise ValueError("the EAGLE head was bound to a different target model")
+        return head
+
+    def _init_eagle(self, sc: SpeculativeConfig, head: EagleHead) -> None:
+        """An EAGLE head: its one layer of pages and the features each slot carries."""
         self.draft = head
         self._draft_vocab = jax.device_put(np.asarray(head.vocab_ids, np.int32))
         k, d = sc.num_speculative, self.model.config.d_model

@@ -2,7 +2,8 @@
 
     path/
       params/     orbax StandardCheckpointer: {"params": EagleParams as a dict, "vocab_ids": i32[Vd]}
-      eagle.json  format, the target's shape and name, training figures (written last)
+      eagle.json  format, the target's shape and name, the tapped layers (EAGLE-3 fusion),
+                  training figures (written last)
 
 The embedding and LM head are the target's, bound on load (`head.bind_head`).
 """
@@ -30,7 +31,9 @@ PARAMS_DIR = "params"
 
 
 def _tree(params: EagleParams, vocab_ids) -> dict:
-    p = dataclasses.asdict(params)
+    # the arrays (a head without fusion has no fusion arrays); feature_layers go to eagle.json
+    p = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+         if f.name != "feature_layers" and getattr(params, f.name) is not None}
     p["layer"] = {f: v for f, v in dataclasses.asdict(params.layer).items() if v is not None}
     return {"params": p, "vocab_ids": vocab_ids}
 
@@ -38,6 +41,7 @@ def _tree(params: EagleParams, vocab_ids) -> dict:
 def save_eagle_head(params: EagleParams, vocab_ids: np.ndarray, target: Model, path: str | Path,
                     figures: dict | None = None) -> Path:
     """Write a trained head (bf16) to a new directory `path`."""
+    bind_head(target, params, vocab_ids)  # checked before anything is written
     path = Path(path).absolute()
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} is not empty")
@@ -49,7 +53,7 @@ def save_eagle_head(params: EagleParams, vocab_ids: np.ndarray, target: Model, p
         checkpointer.save(path / PARAMS_DIR, _tree(cast, jnp.asarray(vocab_ids, jnp.int32)))
     tc = target.config
     info = {"format": EAGLE_FORMAT, "version": EAGLE_VERSION, "vocab_subset": int(len(vocab_ids)),
-            "stored_dtype": jnp.dtype(STORED_DTYPE).name,
+            "stored_dtype": jnp.dtype(STORED_DTYPE).name, "feature_layers": list(params.feature_layers),
             "target": {"name": Path(target.source).name if target.source else "", "arch": tc.arch,
                        **{f: getattr(tc, f) for f in TARGET_SHAPE_FIELDS}},
             "training": figures or {}}
@@ -74,15 +78,18 @@ def load_eagle_head(target: Model, path: str | Path = DEFAULT_EAGLE_PATH) -> Eag
     info = read_eagle_info(path)
     check_target_matches(info, target.config)
     c = target.config
+    feature_layers = tuple(info.get("feature_layers", ()))  # heads saved before fusion have none
     leaf = lambda *shape: jax.ShapeDtypeStruct(shape, STORED_DTYPE)  # noqa: E731
     layer = LayerParams(**{f: leaf(*s) for f, s in expected_shapes(c).items()})
-    abstract = EagleParams(embed_norm=leaf(c.d_model), feature_norm=leaf(c.d_model), fc=leaf(c.d_model, 2 * c.d_model),
-                           layer=layer, final_norm=leaf(c.d_model))
+    n, d = len(feature_layers), c.d_model
+    fusion = dict(tap_norms=leaf(n, d), fuse=leaf(d, n * d), feature_layers=feature_layers) if n else {}
+    abstract = EagleParams(embed_norm=leaf(d), feature_norm=leaf(d), fc=leaf(d, 2 * d), layer=layer, final_norm=leaf(d),
+                           **fusion)
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.restore(path / PARAMS_DIR,
                                       _tree(abstract, jax.ShapeDtypeStruct((info["vocab_subset"],), jnp.int32)))
     p = stored["params"]
-    params = EagleParams(**{**p, "layer": LayerParams(**p["layer"])})
+    params = EagleParams(**{**p, "layer": LayerParams(**p["layer"])}, feature_layers=feature_layers)
     return bind_head(target, params, np.asarray(stored["vocab_ids"], np.int32), name="eagle")

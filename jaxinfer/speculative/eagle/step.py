@@ -10,7 +10,7 @@ are x_{L+1} .. x_{L+n+1} known. Each step therefore
    step) in one block, which writes their K/V into the head's pages and predicts the first
    draft, then k - 1 more single-token head forwards on its own predicted features;
 2. runs the target over every slot's [x_L, d_1 .. d_k] and the prefill rows, keeping its
-   hidden states;
+   hidden states (fused into one feature per position for an EAGLE-3 head);
 3. verifies (`verify_step`, exact for every sampling setting);
 4. runs the head over the prefill rows' pairs (all but the chunk's last token's, whose
    next token is not known yet) and stores the features to carry: the decode block's
@@ -34,7 +34,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv.paged_state import PagedKVState
 from jaxinfer.model import ModelParams, TokenGroup, forward_hidden
 from jaxinfer.speculative.drafts.propose import sample_draft
-from jaxinfer.speculative.eagle.head import EagleParams, head_inputs
+from jaxinfer.speculative.eagle.head import EagleParams, head_inputs, target_features
 from jaxinfer.penalties import PenaltyState
 from jaxinfer.speculative.step import SpeculativeOutput, count_kept, penalized_logits, speculation_keys, verify_block
 from jaxinfer.speculative.verify import Proposal, verify_step
@@ -175,7 +175,9 @@ def eagle_step(
     proposal, hkv = propose_eagle(head, params.embed, head_lm, vocab, head_config, state, kv.block_tables, batch, drafts,
                                   num_draft, draft_keys, attention_impl)
     block = verify_block(batch, proposal, num_draft)
-    logits, hidden, kv = forward_hidden(params, config, kv, (block,) + prefill_groups(batch), attention_impl)
+    logits, taps, kv = forward_hidden(params, config, kv, (block,) + prefill_groups(batch), attention_impl,
+                                      taps=head.feature_layers)
+    hidden = [target_features(head, t, head_config.rms_eps) for t in taps]  # [B, T, D] per group
     scored = penalized_logits(logits, batch, block, penalties, kv.lengths)
     num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys)
     out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths, scored,

@@ -2,8 +2,9 @@
 "training-time test".
 
 Data: the target answers instructions through the engine (`data.generate_sequences`), and
-one teacher-forced dense pass stores, per position, the target's feature f_t (the residual
-stream before the final norm, f16) and its top-k next-token log-probs.
+one teacher-forced dense pass stores, per position, the target's streams the head reads
+(f16: after each of its `feature_layers`, or after the last layer before the final norm)
+and its top-k next-token log-probs.
 
 The head is trained the way it is used. At inference it drafts d_1 from true features,
 then d_2, d_3, ... from features it predicted itself, attending to true-feature pairs for
@@ -32,10 +33,11 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.loading import Model
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
 from jaxinfer.model.params import lm_head_weight
-from jaxinfer.speculative.eagle.head import EagleParams, head_inputs, init_eagle_params
+from jaxinfer.speculative.eagle.head import (EagleParams, check_feature_layers, default_feature_layers, head_inputs,
+                                             init_eagle_params, target_features)
 from jaxinfer.speculative.train.data import (Log, DistillData, frequency_ranked_vocab, generate_sequences,
                                              held_out_split, pad_sequences, subset_coverage, subset_targets)
-from jaxinfer.speculative.train.dense import dense_features
+from jaxinfer.speculative.train.dense import dense_streams
 from jaxinfer.speculative.train.loop import training_schedule
 from jaxinfer.speculative.train.prompts import expanded_prompts
 
@@ -50,6 +52,10 @@ class EagleTrainingConfig:
     temperatures: tuple[float, ...] = (0.0, 0.8)
     top_k: int = 32  # teacher log-probs kept per position
     ttt_steps: int = 3  # training-time test: head steps unrolled on their own predictions
+    # target layers the head fuses (EAGLE-3); "auto": `default_feature_layers` (low, middle, last);
+    # (): the last layer's stream, unfused (the shipped head's recipe; a fused head measured against it:
+    # checkpoints/README.md)
+    feature_layers: tuple[int, ...] | str = ()
     epochs: int = 8
     lr: float = 2e-3
     weight_decay: float = 0.01
@@ -66,6 +72,13 @@ class EagleTrainingConfig:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
+        if self.feature_layers != "auto" and not isinstance(self.feature_layers, tuple):
+            raise ValueError(f"feature_layers={self.feature_layers!r} must be 'auto' or a tuple of layer indices")
+
+    def resolved_feature_layers(self, n_layers: int) -> tuple[int, ...]:
+        if self.feature_layers == "auto":
+            return default_feature_layers(n_layers)
+        return check_feature_layers(self.feature_layers, n_layers)
 
 
 # ---- data: features and teacher distributions ---------------------------------------------
@@ -76,22 +89,29 @@ class FeatureData:
     """`DistillData` plus the target's features at every position."""
 
     distill: DistillData
-    features: np.ndarray  # f16[N, T, D]: position t's feature f_t
+    # f16[N, T, D]: position t's last-layer stream, or f16[N, T, n, D]: its n tapped streams
+    features: np.ndarray
 
 
 def teacher_features(target: Model, sequences: Sequence[np.ndarray], prompt_lengths: np.ndarray,
-                     prompt_index: np.ndarray, top_k: int, batch_size: int = 4, log: Log | None = None) -> FeatureData:
-    """One teacher-forced dense pass of the target over the sequences -> features + top-k."""
+                     prompt_index: np.ndarray, top_k: int, batch_size: int = 4, log: Log | None = None,
+                     feature_layers: tuple[int, ...] = ()) -> FeatureData:
+    """One teacher-forced dense pass of the target over the sequences -> features (the
+    streams after `feature_layers`, or the last layer's) + top-k."""
     tokens, lengths = pad_sequences(sequences)
     c = target.config
+    last = c.n_layers - 1
+    streams = tuple(sorted({*feature_layers, last}))
+    keep = [streams.index(i) for i in feature_layers]
 
     @jax.jit
     def teach(params, batch):  # i32[B, T]; params an argument: a closed-over head would be folded as a constant
         head = lm_head_weight(params)  # [V, D]
-        f = dense_features(params, c, batch)  # [B, T, D]
-        logits = jnp.einsum("btd,vd->btv", rms_norm(f, params.final_norm, c.rms_eps), head,
+        s = dense_streams(params, c, batch, streams)  # [B, T, len(streams), D]
+        logits = jnp.einsum("btd,vd->btv", rms_norm(s[:, :, -1], params.final_norm, c.rms_eps), head,
                             preferred_element_type=jnp.float32)
         values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
+        f = s[:, :, keep] if feature_layers else s[:, :, -1]
         return f.astype(jnp.float16), ids.astype(jnp.int32), values
 
     feats, ids, logps = [], [], []
@@ -125,7 +145,8 @@ def pair_targets(data: FeatureData, rows: np.ndarray, vocab_ids: np.ndarray, voc
 def ttt_logits(params: EagleParams, embed: jax.Array, lm_head: jax.Array, config: ModelConfig, tokens: jax.Array,
                features: jax.Array, steps: int) -> list[jax.Array]:
     """The head unrolled `steps` times over whole sequences (module docstring) ->
-    per step, logits f32[B, T, Vd] at every pair t (step j is meaningful for t >= j)."""
+    per step, logits f32[B, T, Vd] at every pair t (step j is meaningful for t >= j).
+    `features`: the target's streams as `FeatureData` stores them ([B, T, D] or [B, T, n, D])."""
     c, layer = config, params.layer
     b, t = tokens.shape
     inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -134,7 +155,7 @@ def ttt_logits(params: EagleParams, embed: jax.Array, lm_head: jax.Array, config
     query, key = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     scale = 1.0 / math.sqrt(c.head_dim)
     keys, values, out = [], [], []
-    feats = features.astype(jnp.float32)
+    feats = target_features(params, features, c.rms_eps).astype(jnp.float32)  # [B, T, D]
     for j in range(steps):
         x = head_inputs(params, embed, next_tokens, feats, c.rms_eps)  # [B, T, D]
         h = rms_norm(x, layer.attn_norm, c.rms_eps)
@@ -212,10 +233,12 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
     """Generate (or read from `sequences_file`, a cache of an earlier generation), teach and
     train -> (trained EagleParams, vocab_ids i32[Vd], figures for eagle.json)."""
     log = log or (lambda msg: None)
+    feature_layers = cfg.resolved_feature_layers(target.config.n_layers)  # checked before an hour of generation
     t0 = time.perf_counter()
     sequences, prompt_lengths, prompt_index = _sequences(target, cfg, prompts, sequences_file, log)
     t_gen = time.perf_counter()
-    data = teacher_features(target, sequences, prompt_lengths, prompt_index, cfg.top_k, log=log)
+    data = teacher_features(target, sequences, prompt_lengths, prompt_index, cfg.top_k, log=log,
+                            feature_layers=feature_layers)
     t_teach = time.perf_counter()
     log(f"data: {len(sequences)} sequences, {data.distill.num_tokens} tokens; generation {t_gen - t0:.0f} s, "
         f"teacher {t_teach - t_gen:.0f} s")
@@ -243,7 +266,7 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
     frozen = (embed, lm_head)
     agreement_counts = jax.jit(lambda params, frozen, batch: ttt_agreement(params, *frozen, c, batch, cfg.ttt_steps))
     evaluate = lambda params, batch: agreement_counts(params, (*frozen, vocab), batch)  # noqa: E731
-    params = init_eagle_params(target, cfg.seed)
+    params = init_eagle_params(target, cfg.seed, feature_layers)
     opt_state = optimizer.init(params)
     init_agreement = held_out_agreement(evaluate, params, held_targets, batch_size)
     log(f"untrained head: held-out agreement per draft position {_fmt(init_agreement)}")
