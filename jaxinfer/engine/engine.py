@@ -121,8 +121,9 @@ class Engine:
         sc = config.speculative  # scanned: params and cache stacked in runs; a self-draft's layers end one,
         # as does each layer an EAGLE-3 head taps
         eagle = self._eagle_head(sc) if sc and sc.method == "eagle" else None
-        split_at = ((sc.self_layers,) if sc and sc.method == "self" else
-                    tuple(i + 1 for i in eagle.feature_layers if i + 1 < mc.n_layers) if eagle else ())
+        split_at = (sc.self_layers,) if sc and sc.method == "self" else ()
+        if eagle is not None:
+            split_at = tuple(i + 1 for i in eagle.feature_layers if i + 1 < mc.n_layers)
         runs = layer_runs(mc, config.kv_cache, split_at) if resolve_layer_loop(config.layer_loop) == "scan" else None
         params = with_layer_runs(model.params, runs)
         if resolve_weight_layouts(config.weight_layouts, params, config.mesh) == "all":
