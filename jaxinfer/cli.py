@@ -158,14 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--vocab-subset", type=int, default=8192, help="LM head size: the most frequent training tokens")
     td.add_argument("--prompts", type=int, help="built-in instructions the target answers (default: 100 for a "
                     "draft, all 628 of the expanded set for eagle)")
+    td.add_argument("--self-prompts", type=int, default=628,
+                    help="(eagle) more instructions the target writes itself (Magpie: it samples a user's turn from "
+                         "its chat template), answered after the built-in ones; 0 for a model without a chat template")
+    td.add_argument("--temperatures", type=_float_list, default=(0.0,),
+                    help="(eagle) the target answers every prompt once at each, e.g. 0 or 0,0.8")
     td.add_argument("--new-tokens", type=int, default=192, help="tokens generated per prompt and temperature")
     td.add_argument("--epochs", type=int, help="passes over the training text (default 8)")
     td.add_argument("--lr", type=float, help="peak AdamW learning rate, cosine schedule (default 2e-3)")
     td.add_argument("--ttt-steps", type=int, default=3, help="(eagle) head steps unrolled on its own predictions")
     td.add_argument("--sequences", help="(eagle) .npz cache of the generated text: read if it exists, else written")
-    td.add_argument("--feature-layers", type=_layer_list, default=(),
-                    help="(eagle) target layers whose outputs the head fuses (EAGLE-3), e.g. 2,15,29, or 'auto' "
-                         "(a low, the middle and the last layer); default 'last': the last layer's alone, unfused")
+    td.add_argument("--feature-layers", type=_layer_list, default="auto",
+                    help="(eagle) target layers whose outputs the head fuses (EAGLE-3), e.g. 2,15,29; 'auto': a low, "
+                         "the middle and the last layer; 'last': the last layer's alone, unfused")
     td.add_argument("--seed", type=int, default=0)
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -355,6 +360,14 @@ def _layer_list(text: str) -> tuple[int, ...] | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer indices, 'auto' or 'last'") from None
 
 
+def _float_list(text: str) -> tuple[float, ...]:
+    """'0,0.8' -> (0.0, 0.8) (`--temperatures`)."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
 def cmd_train_draft(args: argparse.Namespace) -> None:
     import os
 
@@ -363,13 +376,14 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     given = {name: value for name, value in (("num_prompts", args.prompts), ("epochs", args.epochs), ("lr", args.lr))
              if value is not None}
-    model = _load(args.model, "float32")
-    if args.kind == "eagle":
+    if args.kind == "eagle":  # the config first: a bad option is refused before the model loads
         from jaxinfer.speculative.eagle import save_eagle_head
         from jaxinfer.speculative.train.eagle import EagleTrainingConfig, train_eagle
 
         cfg = EagleTrainingConfig(vocab_subset=args.vocab_subset, new_tokens=args.new_tokens, ttt_steps=args.ttt_steps,
-                                  feature_layers=args.feature_layers, seed=args.seed, **given)
+                                  feature_layers=args.feature_layers, self_prompts=args.self_prompts,
+                                  temperatures=args.temperatures, seed=args.seed, **given)
+        model = _load(args.model, "float32")
         params, vocab_ids, figures = train_eagle(model, cfg, sequences_file=args.sequences, log=log)
         save_eagle_head(params, vocab_ids, model, args.out, figures)
         print(f"held-out agreement per draft position {figures['init_held_out_agreement']} (untrained) -> "
@@ -380,6 +394,7 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
 
     cfg = DraftTrainingConfig(n_layers=args.layers, vocab_subset=args.vocab_subset, new_tokens=args.new_tokens,
                               seed=args.seed, **given)
+    model = _load(args.model, "float32")
     draft, figures = train_draft(model, cfg, log=log)
     save_trained_draft(draft, model, args.out, figures)
     print(f"held-out greedy top-1 agreement {figures['init_held_out_top1']:.4f} (untrained) -> "

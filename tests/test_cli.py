@@ -67,10 +67,11 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
                         (("--async-scheduling", "--speculative", "ngram"), "async_scheduling")]:
         status, err = run_main(capsys, "generate", *args, "hi")
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
-    for layers, named in [("2,x", "comma-separated"), ("2,2", "feature_layers"), ("7,99", "feature_layers")]:
-        status, err = run_main(capsys, "train-draft", "--kind", "eagle", "--out", str(tmp_path / "head"),
-                               "--feature-layers", layers)
-        assert status == 2 and named in err and "Traceback" not in err, (layers, err)
+    for args, named in [(("--feature-layers", "2,x"), "comma-separated"), (("--feature-layers", "2,2"), "feature_layers"),
+                        (("--feature-layers", "7,99"), "feature_layers"), (("--temperatures", "0,x"), "comma-separated"),
+                        (("--temperatures", "3"), "temperatures"), (("--self-prompts", "-2"), "self_prompts")]:
+        status, err = run_main(capsys, "train-draft", "--kind", "eagle", "--out", str(tmp_path / "head"), *args)
+        assert status == 2 and named in err and "Traceback" not in err, (args, err)
 
 
 @pytest.mark.slow

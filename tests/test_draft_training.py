@@ -128,6 +128,29 @@ def test_load_rejects_a_mismatching_target(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_target_writes_distinct_user_turns(smollm2_gguf):
+    """Magpie: SmolLM2 given its chat template up to the user's turn writes requests."""
+    from jaxinfer.loading import load_model
+
+    target = load_model(smollm2_gguf, progress=False)
+    prompts = dt.self_written_prompts(target, 12, seed=0, max_tokens=48, max_slots=16)
+    assert len(prompts) == 12 and len({p.lower() for p in prompts}) == 12
+    for p in prompts:
+        assert p == p.strip() and 3 <= len(p.split()) <= 80 and "<|im_" not in p, p
+    # A user's turn asks for something (seen: 11 of the 12 end with "?" or start with a request
+    # like "Can you", "I need"); an assistant's answer ("Sure! Here ...") would not.
+    openings = ("Can", "Could", "How", "What", "Write", "I", "I'm")
+    asks = [p for p in prompts if p.endswith("?") or p.split()[0] in openings]
+    assert len(asks) >= 8, prompts
+    with pytest.raises(ValueError, match="need a model with a tokenizer and a chat template"):
+        dt.self_written_prompts(tiny_target(), 4, seed=0)
+    random_weights = Model(*tiny_model(vocab_size=target.config.vocab_size, eos_ids=target.config.eos_ids)[:2],
+                           tokenizer=target.tokenizer)
+    with pytest.raises(ValueError, match="usable prompts"):  # random weights never end their turn
+        dt.self_written_prompts(random_weights, 2, seed=0, max_tokens=4, max_slots=4)
+
+
+@pytest.mark.slow
 def test_shipped_draft_loads_and_beats_its_init(smollm2_gguf):
     from jaxinfer.loading import load_model
 

@@ -243,3 +243,41 @@ def test_tiny_eagle_training_learns_and_saves(model, tmp_path, feature_layers):
     plain = [o.token_ids for o in engine(model).generate(prompts(4), GREEDY)]
     eng = engine(model, SpeculativeConfig("eagle", 3, draft=str(path)))
     assert [o.token_ids for o in eng.generate(prompts(4), GREEDY)] == plain
+
+
+@pytest.mark.slow
+def test_shipped_head_loads_and_drafts_the_target_s_tokens(smollm2_gguf):
+    """checkpoints/smollm2_eagle: < 20 MB on disk, binds to SmolLM2, and on a fixed chat turn
+    its first draft (teacher-forced, the unrolled training head) is the target's greedy token
+    far more often than its untrained init's."""
+    import subprocess
+
+    from jaxinfer.loading import load_model
+    from jaxinfer.speculative.eagle.checkpoint import DEFAULT_EAGLE_PATH
+    from jaxinfer.speculative.train.eagle import teacher_features
+
+    size = int(subprocess.run(["du", "-sk", str(DEFAULT_EAGLE_PATH)], capture_output=True, text=True,
+                              check=True).stdout.split()[0])
+    assert size < 20 * 1024, f"{DEFAULT_EAGLE_PATH} takes {size} KiB on disk"
+    target = load_model(smollm2_gguf, progress=False)
+    head = load_eagle_head(target)
+    tok = target.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Explain why the sea is salty."}])
+    text += ("The sea is salty because rivers carry dissolved minerals from rocks into the ocean. When water "
+             "evaporates, the salt stays behind, so over millions of years it builds up.")
+    ids = np.asarray(tok.encode(text, add_special_tokens=False), np.int32)
+    data = teacher_features(target, [ids], np.asarray([0]), np.asarray([0]), top_k=1,
+                            feature_layers=head.feature_layers)
+    greedy = data.distill.top_ids[0, 1 : len(ids), 0]  # the target's token after pair t's next token: x_{t+2}
+
+    def agreement(params) -> float:
+        logits = ttt_logits(params, head.embed, head.lm_head, target.config, jnp.asarray(ids[None]),
+                            jnp.asarray(data.features[:, : len(ids)], jnp.float32), steps=1)[0]
+        drafted = head.vocab_ids[np.asarray(jnp.argmax(logits[0], -1))][:-1]
+        return float(np.mean(drafted == greedy))
+
+    trained, init = agreement(head.params), agreement(init_eagle_params(target, 0, head.feature_layers))
+    # 69 pairs, about half of them the (memorised) system prompt; measured with the shipped head:
+    # trained 39/69 = 0.565, untrained 0/69.
+    assert trained > 0.5 and init < 0.2, (trained, init)
+

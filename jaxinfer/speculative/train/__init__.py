@@ -22,16 +22,16 @@ from jaxinfer.speculative.checkpoint import (DEFAULT_DRAFT_PATH, load_trained_dr
                                              save_trained_draft, trainable, with_trainable)
 from jaxinfer.speculative.drafts.model import init_draft
 from jaxinfer.speculative.train.data import (DistillData, build_distill_data, frequency_ranked_vocab,
-                                             generate_sequences, held_out_split, pad_sequences, subset_coverage,
-                                             subset_targets, teacher_targets)
+                                             generate_sequences, held_out_split, pad_sequences, self_written_prompts,
+                                             subset_coverage, subset_targets, teacher_targets)
 from jaxinfer.speculative.train.dense import causal_mask, dense_attention, dense_hidden, dense_logits
 from jaxinfer.speculative.train.loop import DraftTrainingConfig, distill_loss, top1_agreement, train, train_draft
 from jaxinfer.speculative.train.prompts import DEFAULT_PROMPTS
 
 __all__ = [
-    "DEFAULT_DRAFT_PATH", "DEFAULT_PROMPTS", "DistillData", "DraftTrainingConfig", "build_distill_data", "causal_mask",
-    "dense_attention", "dense_hidden", "dense_logits", "distill_loss", "frequency_ranked_vocab", "generate_sequences",
-    "held_out_split", "init_draft", "load_trained_draft", "pad_sequences", "read_draft_info", "save_trained_draft",
-    "subset_coverage", "subset_targets", "teacher_targets", "top1_agreement", "train", "train_draft", "trainable",
-    "with_trainable",
+    "DEFAULT_DRAFT_PATH", "DEFAULT_PROMPTS", "DistillData", "DraftTrainingConfig", "build_distill_data",
+    "causal_mask", "dense_attention", "dense_hidden", "dense_logits", "distill_loss", "frequency_ranked_vocab",
+    "generate_sequences", "held_out_split", "init_draft", "load_trained_draft", "pad_sequences", "read_draft_info",
+    "save_trained_draft", "self_written_prompts", "subset_coverage", "subset_targets", "teacher_targets",
+    "top1_agreement", "train", "train_draft", "trainable", "with_trainable",
 ]

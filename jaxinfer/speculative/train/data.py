@@ -1,7 +1,8 @@
 """Distillation data: the target's own text and its next-token distributions over it.
 
 1. `generate_sequences`: the target answers the instructions (chat template) greedily and
-   at the sampling temperatures (fixed seeds); we keep prompt + answer ids.
+   at the sampling temperatures (fixed seeds); we keep prompt + answer ids. Instructions are
+   built in (`prompts`) or written by the target itself (`self_written_prompts`).
 2. `build_distill_data` / `teacher_targets`: one teacher-forced dense forward of the target
    over those sequences stores, per position, its top-k next-token ids and log-probs.
 3. `subset_targets`: the teacher's top-k restricted to the draft's vocabulary subset
@@ -72,6 +73,43 @@ def generate_sequences(target: Model, prompts: Sequence[str | Sequence[int]], ne
     sequences = [np.asarray(o.prompt_token_ids + o.token_ids, np.int32) for o in outputs]
     prompt_lengths = np.asarray([len(o.prompt_token_ids) for o in outputs], np.int32)
     return sequences, prompt_lengths, np.asarray([i for i, _ in jobs], np.int32)
+
+
+def self_written_prompts(target: Model, n: int, seed: int, max_tokens: int = 64, max_slots: int = 32,
+                         progress: bool = False) -> tuple[str, ...]:
+    """n distinct instructions the target writes itself (Magpie, Xu et al. 2024).
+
+    An instruction-tuned model given only its chat template up to the user's turn writes a
+    user's request: sampled at temperature 1 (top-p 0.95, seeds seed, seed+1, ...) they are
+    far more varied than templated instructions. Kept: turns the model ended itself, of 3 to
+    80 words, each once (case-insensitive). Raises ValueError if 4 rounds of sampling do not
+    give n of them.
+    """
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.sampling import SamplingParams
+
+    tok = target.tokenizer
+    if tok is None or tok.chat_template is None:
+        raise ValueError("self-written prompts need a model with a tokenizer and a chat template "
+                         "(train with self_prompts=0, `--self-prompts 0`)")
+    marker = "\x00"
+    rendered = tok.apply_chat_template([{"role": "user", "content": marker}])
+    pre_query = tok.encode(rendered[: rendered.index(marker)], add_special_tokens=False)
+    engine = Engine(target, EngineConfig(max_slots=max_slots, max_model_len=len(pre_query) + max_tokens, seed=seed))
+    kept: dict[str, str] = {}
+    sampled = 0
+    for _ in range(4):
+        batch = max(n - len(kept), 1) * 5 // 4 + 8  # about 1 in 5 runs past max_tokens or repeats
+        params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed + sampled + i, max_tokens=max_tokens)
+                  for i in range(batch)]
+        sampled += batch
+        for out in engine.generate([pre_query] * batch, params, chat=False, progress=progress):
+            text = out.text.strip()
+            if out.finish_reason == "stop" and 3 <= len(text.split()) <= 80 and text.lower() not in kept:
+                kept[text.lower()] = text
+        if len(kept) >= n:
+            return tuple(kept.values())[:n]
+    raise ValueError(f"the model wrote only {len(kept)} usable prompts in {sampled} tries; asked for {n}")
 
 
 def frequency_ranked_vocab(sequences: Sequence[np.ndarray], vocab_size: int, n: int) -> np.ndarray:

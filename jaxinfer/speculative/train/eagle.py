@@ -1,7 +1,9 @@
 """Training an EAGLE head (`jaxinfer.speculative.eagle`) by self-distillation, with EAGLE-3's
 "training-time test".
 
-Data: the target answers instructions through the engine (`data.generate_sequences`), and
+Data: the target answers instructions through the engine (`data.generate_sequences`): the
+built-in ones (`prompts.expanded_prompts`) and optionally ones it writes itself
+(`data.self_written_prompts`, more varied than templates), and
 one teacher-forced dense pass stores, per position, the target's streams the head reads
 (f16: after each of its `feature_layers`, or after the last layer before the final norm)
 and its top-k next-token log-probs.
@@ -36,7 +38,8 @@ from jaxinfer.model.params import lm_head_weight
 from jaxinfer.speculative.eagle.head import (EagleParams, check_feature_layers, default_feature_layers, head_inputs,
                                              init_eagle_params, target_features)
 from jaxinfer.speculative.train.data import (Log, DistillData, frequency_ranked_vocab, generate_sequences,
-                                             held_out_split, pad_sequences, subset_coverage, subset_targets)
+                                             held_out_split, pad_sequences, self_written_prompts, subset_coverage,
+                                             subset_targets)
 from jaxinfer.speculative.train.dense import dense_streams
 from jaxinfer.speculative.train.loop import training_schedule
 from jaxinfer.speculative.train.prompts import expanded_prompts
@@ -48,14 +51,16 @@ class EagleTrainingConfig:
 
     vocab_subset: int = 8192  # LM head rows: the most frequent training tokens (FR-Spec)
     num_prompts: int = 628  # first num_prompts of `expanded_prompts()`
+    # more instructions the target writes itself (`self_written_prompts`), after those; 0 for a
+    # target without a chat template
+    self_prompts: int = 628
     new_tokens: int = 192
-    temperatures: tuple[float, ...] = (0.0, 0.8)
+    temperatures: tuple[float, ...] = (0.0,)  # greedy: the text the benchmark's greedy decoding drafts for
     top_k: int = 32  # teacher log-probs kept per position
     ttt_steps: int = 3  # training-time test: head steps unrolled on their own predictions
     # target layers the head fuses (EAGLE-3); "auto": `default_feature_layers` (low, middle, last);
-    # (): the last layer's stream, unfused (the shipped head's recipe; a fused head measured against it:
-    # checkpoints/README.md)
-    feature_layers: tuple[int, ...] | str = ()
+    # (): the last layer's stream, unfused (the head shipped before; both measured in checkpoints/README.md)
+    feature_layers: tuple[int, ...] | str = "auto"
     epochs: int = 8
     lr: float = 2e-3
     weight_decay: float = 0.01
@@ -70,6 +75,10 @@ class EagleTrainingConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.self_prompts, int) or self.self_prompts < 0:
+            raise ValueError(f"self_prompts={self.self_prompts!r} must be an integer >= 0")
+        if not self.temperatures or any(not 0 <= t <= 2 for t in self.temperatures):
+            raise ValueError(f"temperatures={self.temperatures!r} must be one or more values in [0, 2]")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if self.feature_layers != "auto" and not isinstance(self.feature_layers, tuple):
@@ -319,11 +328,15 @@ def _sequences(target: Model, cfg: EagleTrainingConfig, prompts: Sequence[str | 
         if cfg.num_prompts > len(available):
             raise ValueError(f"num_prompts={cfg.num_prompts} exceeds the {len(available)} built-in prompts")
         prompts = available[: cfg.num_prompts]
+        if cfg.self_prompts:
+            log(f"the target writes {cfg.self_prompts} more prompts")
+            prompts += self_written_prompts(target, cfg.self_prompts, cfg.seed, progress=True)
     log(f"generating {len(prompts)} prompts x temperatures {cfg.temperatures}, {cfg.new_tokens} new tokens each")
     chat = all(isinstance(p, str) for p in prompts)  # token-id prompts (targets without a tokenizer) as they are
     sequences, prompt_lengths, prompt_index = generate_sequences(target, prompts, cfg.new_tokens, cfg.temperatures,
                                                                  cfg.seed, chat=chat, max_slots=32, progress=True)
     if sequences_file:
         np.savez(sequences_file, tokens=np.concatenate(sequences), lengths=np.asarray([len(s) for s in sequences]),
-                 prompt_lengths=prompt_lengths, prompt_index=prompt_index)
+                 prompt_lengths=prompt_lengths, prompt_index=prompt_index,
+                 **({"prompts": np.asarray(prompts)} if chat else {}))  # the instructions, for the record
     return sequences, prompt_lengths, prompt_index
