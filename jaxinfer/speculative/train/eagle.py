@@ -52,10 +52,10 @@ class EagleTrainingConfig:
     vocab_subset: int = 8192  # LM head rows: the most frequent training tokens (FR-Spec)
     num_prompts: int = 628  # first num_prompts of `expanded_prompts()`
     # more instructions the target writes itself (`self_written_prompts`), after those; 0 for a
-    # target without a chat template
+    # target without a chat template (prompts passed to `train_eagle` are used as they are)
     self_prompts: int = 628
     new_tokens: int = 192
-    temperatures: tuple[float, ...] = (0.0,)  # greedy: the text the benchmark's greedy decoding drafts for
+    temperatures: tuple[float, ...] = (0.0,)  # greedy answers ((0.0, 0.8) made the head before: checkpoints/README.md)
     top_k: int = 32  # teacher log-probs kept per position
     ttt_steps: int = 3  # training-time test: head steps unrolled on their own predictions
     # target layers the head fuses (EAGLE-3); "auto": `default_feature_layers` (low, middle, last);
