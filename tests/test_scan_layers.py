@@ -7,6 +7,8 @@ with depth; and the scan must write each layer's pages in place in the stacked p
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 
 import jax
@@ -24,7 +26,8 @@ from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.loading import Model
 from jaxinfer.model import forward, init_random_params
 from jaxinfer.model import stacking
-from jaxinfer.model.layers import PANEL_MAX_ROWS, LinearLayouts, linear, linears, panel_width, to_panels
+from jaxinfer.model import row_layouts
+from jaxinfer.model.layers import DEFAULT_READS, PANEL_MAX_ROWS, READS, LinearLayouts, linear, linears, panel_width, to_panels
 from jaxinfer.model.params import with_gemm_weights, without_gemm_weights
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.sampling import SamplingParams
@@ -196,11 +199,15 @@ def test_stacked_shardings_keep_the_layer_axis_whole():
 # Weight layouts (`EngineConfig.weight_layouts`): the dense layers' weights also stored as
 # column panels and transposed, which multi-row products read (`jaxinfer.model.layers.LinearLayouts`).
 
+ALL_READS = list(itertools.product(*READS))
+
+
 @pytest.mark.parametrize("case", ["gqa", "window", "mla", "plan"])
 @pytest.mark.parametrize("stacked", [False, True])
 def test_all_weight_layouts_forward_equals_one(case, stacked):
-    """Prefill rows (GEMMs over `kn` or batched matmuls over `panels`) and decode rows (gemvs over `nk`) give the one-layout
-    forward's logits to f32 rounding (different kernels, so not bit for bit)."""
+    """Prefill rows (GEMMs over `kn` or batched matmuls over `panels`) and decode rows (gemvs over `nk`, or `kn`
+    with ("kn", "kn") reads) give the one-layout forward's logits to f32 rounding (different kernels, so not bit
+    for bit)."""
     config, options = CASES[case]
     params = init_random_params(config, seed=1, scale=0.3)
     spec = KVCacheSpec(num_pages=2 * 4 + 1, page_size=4, max_slots=2, max_pages_per_seq=4)
@@ -212,10 +219,11 @@ def test_all_weight_layouts_forward_equals_one(case, stacked):
     if config.mla is None:
         assert sum(isinstance(x, LinearLayouts) for x in jax.tree.leaves(
             every.layers, is_leaf=lambda x: isinstance(x, LinearLayouts))) == len(every.layers) * 7
-    logits, tokens = decode(every, config, fresh())
-    assert tokens == ref_tokens
-    for want, got in zip(ref_logits, logits):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for reads in (DEFAULT_READS, ("kn", "kn")):
+        logits, tokens = decode(with_gemm_weights(every, reads), config, fresh())
+        assert tokens == ref_tokens
+        for want, got in zip(ref_logits, logits):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [(1,), (1, 1), (2,), (PANEL_MAX_ROWS,), (2, 3), (PANEL_MAX_ROWS + 1,)])
@@ -228,9 +236,10 @@ def test_linear_forms_agree(rows, biases):
                                            for w, on in zip(ws, biases))
     want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T + (0 if b is None else np.asarray(b, np.float64))
             for w, b in zip(ws, bs or (None,) * 3)]
-    for got in ([linear(x, w, b) for w, b in zip(ws, bs or (None,) * 3)],
-                [linear(x, LinearLayouts.of(w), b) for w, b in zip(ws, bs or (None,) * 3)],
-                linears(x, tuple(ws), bs), linears(x, tuple(LinearLayouts.of(w) for w in ws), bs)):
+    layouts = [[LinearLayouts.of(w, reads) for w in ws] for reads in ALL_READS]
+    for got in ([[linear(x, w, b) for w, b in zip(ws, bs or (None,) * 3)], linears(x, tuple(ws), bs)]
+                + [[linear(x, w, b) for w, b in zip(lw, bs or (None,) * 3)] for lw in layouts]
+                + [linears(x, tuple(lw), bs) for lw in layouts]):
         for g, w in zip(got, want):
             assert g.shape == (*rows, w.shape[-1])
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
@@ -291,10 +300,63 @@ def test_engine_weight_layouts_generate_the_same():
     prompts = [[3, 5, 7, 11, 13], [17, 19, 23]]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = {}
-    for layouts in ("one", "all"):
+    for layouts, reads in (("one", "auto"), ("all", "auto"), ("all", ("kn", "kn"))):
         eng = Engine(model, EngineConfig(max_slots=2, max_model_len=32, prefill_chunk=4, weight_layouts=layouts,
-                                         speculative=SpeculativeConfig("ngram", 2)))
-        assert any(isinstance(x, LinearLayouts) for x in jax.tree.leaves(
-            eng.model.params, is_leaf=lambda x: isinstance(x, LinearLayouts))) == (layouts == "all")
-        outs[layouts] = [o.token_ids for o in eng.generate(prompts, sp)]
-    assert outs["one"] == outs["all"]
+                                         row_layouts=reads, speculative=SpeculativeConfig("ngram", 2)))
+        stored = [x for x in jax.tree.leaves(eng.model.params, is_leaf=lambda x: isinstance(x, LinearLayouts))
+                  if isinstance(x, LinearLayouts)]
+        assert bool(stored) == (layouts == "all")
+        # a tiny model is not worth timing: "auto" keeps the default
+        assert eng.row_layouts == (None if layouts == "one" else DEFAULT_READS if reads == "auto" else reads)
+        assert all(w.reads == eng.row_layouts for w in stored)
+        outs[layouts, reads] = [o.token_ids for o in eng.generate(prompts, sp)]
+    assert len(set(map(str, outs.values()))) == 1, outs
+
+
+@pytest.mark.parametrize("bad", [("kn",), ("panels", "kn"), ("nk", "nk"), ["kn", "kn"], "kn"])
+def test_row_layouts_option_names_what_each_row_count_reads(bad):
+    with pytest.raises(ValueError, match="row_layouts.*one row reads one of"):
+        EngineConfig(row_layouts=bad)
+    with pytest.raises(ValueError, match="one row reads one of"):
+        LinearLayouts.of(jnp.zeros((8, 4)), bad)
+
+
+def test_pick_reads_keeps_the_default_unless_another_is_clearly_faster():
+    few = row_layouts.FEW_ROWS
+    ms = {(1, "nk"): 10.0, (1, "kn"): 9.6, (few, "panels"): 20.0, (few, "kn"): 18.0}
+    assert row_layouts.pick_reads(ms) == ("nk", "kn")  # 4 % faster is noise, 10 % is not
+    ms[1, "kn"], ms[few, "kn"] = 9.0, 25.0
+    assert row_layouts.pick_reads(ms) == ("kn", "panels")
+
+
+def test_row_layouts_measured_once_per_machine(tmp_path, monkeypatch):
+    """"auto" measures a model worth measuring on the model's own weights, remembers the answer in
+    $JAXINFER_CACHE/row_layouts.json, and a later process reads it back instead of measuring again
+    (a damaged entry is measured again)."""
+    monkeypatch.setenv("JAXINFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(row_layouts, "_CHOSEN", {})
+    config, params = tiny_model(n_layers=2)
+    every = with_gemm_weights(params)
+    assert row_layouts.choose_reads(every) == DEFAULT_READS  # under MEASURE_MIN_BYTES: no timing
+    assert not (tmp_path / "row_layouts.json").exists()
+    assert row_layouts.choose_reads(every, ("kn", "kn")) == ("kn", "kn")
+
+    monkeypatch.setattr(row_layouts, "MEASURE_MIN_BYTES", 0)
+    measured = row_layouts.measure_reads(every, rounds=1)
+    assert set(measured["ms"]) == {(1, "nk"), (1, "kn"), (row_layouts.FEW_ROWS, "panels"), (row_layouts.FEW_ROWS, "kn")}
+    assert all(t > 0 for t in measured["ms"].values())
+    chosen = row_layouts.choose_reads(every)
+    assert chosen in ALL_READS
+    saved = json.loads((tmp_path / "row_layouts.json").read_text())
+    assert list(saved.values()) == [list(chosen)]
+
+    def no_measuring(*_):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(row_layouts, "_CHOSEN", {})  # a new process
+    monkeypatch.setattr(row_layouts, "measure_reads", no_measuring)
+    assert row_layouts.choose_reads(every) == chosen
+    (tmp_path / "row_layouts.json").write_text(json.dumps({k: ["nk", "bogus"] for k in saved}))
+    monkeypatch.setattr(row_layouts, "_CHOSEN", {})
+    with pytest.raises(AssertionError, match="measured again"):
+        row_layouts.choose_reads(every)

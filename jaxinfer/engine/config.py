@@ -7,6 +7,7 @@ import os
 
 from jaxinfer.attention.dispatch import IMPLS
 from jaxinfer.kv.streaming import StreamingSpec
+from jaxinfer.model.layers import check_reads
 from jaxinfer.model.stacking import LAYER_LOOPS, WEIGHT_LAYOUTS
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
 
@@ -61,6 +62,11 @@ class EngineConfig:
     # memory); "auto": "all" on one CPU device when the two copies take at most 2 GiB, else
     # "one" (`jaxinfer.model.stacking.resolve_weight_layouts`).
     weight_layouts: str = "auto"
+    # With weight_layouts "all": the layout a product of one row and of 2-6 rows reads,
+    # e.g. ("nk", "panels") or ("kn", "kn") (`jaxinfer.model.layers.READS`). The fastest
+    # differs between CPUs, not only shapes; "auto" times them once on this machine for the
+    # model's shapes and remembers the answer (`jaxinfer.model.row_layouts`).
+    row_layouts: str | tuple[str, str] = "auto"
     # Tokens the narrowest context bucket holds: the step's block tables are cut to the
     # smallest of these widths (x4 each, up to max_model_len) that fits every sequence.
     min_context_bucket: int = 512
@@ -101,6 +107,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r} must be one of {IMPLS}")
         if self.weight_layouts not in WEIGHT_LAYOUTS:
             raise ValueError(f"EngineConfig.weight_layouts={self.weight_layouts!r} must be one of {WEIGHT_LAYOUTS}")
+        if self.row_layouts != "auto":
+            try:
+                check_reads(self.row_layouts)
+            except ValueError as e:
+                raise ValueError(f"EngineConfig.row_layouts={self.row_layouts!r} must be 'auto' or a pair: {e}") from None
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"EngineConfig.layer_loop={self.layer_loop!r} must be one of {LAYER_LOOPS}")
         if self.scheduling not in ("continuous", "static"):

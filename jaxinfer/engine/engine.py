@@ -46,6 +46,7 @@ from jaxinfer.kv.window_ring import hit_recompute, ring_pages
 from jaxinfer.layer_stack import LayerStack, entry_pytrees
 from jaxinfer.loading import Model
 from jaxinfer.model.params import with_gemm_weights
+from jaxinfer.model.row_layouts import choose_reads
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.penalties import PenaltyState, init_penalty_state, set_slot, slot_history
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
@@ -126,8 +127,11 @@ class Engine:
             split_at = tuple(i + 1 for i in eagle.feature_layers if i + 1 < mc.n_layers)
         runs = layer_runs(mc, config.kv_cache, split_at) if resolve_layer_loop(config.layer_loop) == "scan" else None
         params = with_layer_runs(model.params, runs)
+        self.row_layouts: tuple[str, str] | None = None  # what 1 and 2-6 rows read, with all weight layouts
         if resolve_weight_layouts(config.weight_layouts, params, config.mesh) == "all":
             params = with_gemm_weights(params)
+            self.row_layouts = choose_reads(params, config.row_layouts)
+            params = with_gemm_weights(params, self.row_layouts)
         self.model = model = dataclasses.replace(model, params=params)
         max_chunk = max(config.prefill_chunk, 1 + (sc.num_speculative if sc else 0))
         # hybrid models: windowed layers in a bounded ring per slot (`jaxinfer.kv.window_ring`), on a mesh

@@ -11,7 +11,7 @@ from flax import struct
 
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq  # re-exported: RoPE lives with attention
 
-__all__ = ["PANEL_MAX_ROWS", "PANEL_WIDTHS", "LinearLayouts", "apply_rope", "geglu_mlp", "linear", "linears", "panel_matmul", "panel_width",
+__all__ = ["DEFAULT_READS", "PANEL_MAX_ROWS", "PANEL_WIDTHS", "READS", "LinearLayouts", "apply_rope", "geglu_mlp", "linear", "linears", "panel_matmul", "panel_width",
            "rms_norm", "rope_inv_freq", "swiglu_mlp", "to_panels"]
 
 
@@ -24,6 +24,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 PANEL_WIDTHS = (64, 32, 16, 8)  # output columns per panel, widest that divides N first
 PANEL_MAX_ROWS = 6  # more rows read `kn` faster (equal at 8, BENCHMARKS.md)
+# The layout a product of one row, and of 2 to PANEL_MAX_ROWS rows, may read
+# (`LinearLayouts.reads`). Which is fastest depends on the CPU, not only on the shapes
+# (BENCHMARKS.md, "Which layout each row count reads"): ("nk", "panels") on the AMD EPYC
+# machines, ("kn", "kn") on a Sapphire Rapids Xeon. `jaxinfer.model.row_layouts` measures it.
+READS = (("nk", "kn"), ("panels", "kn"))
+DEFAULT_READS = ("nk", "panels")
 
 
 @struct.dataclass
@@ -31,25 +37,39 @@ class LinearLayouts:
     """A linear weight kept in the three layouts XLA:CPU's products read fastest, chosen by
     how many rows multiply it (`with_gemm_weights`; BENCHMARKS.md, "Matmul forms"):
 
-    - 1 row (a batch-1 decode step): `nk`, as a gemv at memory speed;
-    - 2 to `PANEL_MAX_ROWS` rows (verify blocks at batch 1): `panels`, the weight cut into
-      column panels of P outputs each laid out [K, P], as one matmul batched over panels;
+    - 1 row (a batch-1 decode step): `reads[0]`, `nk` (`x @ w.T`, which XLA:CPU fuses into
+      a loop gemv) or `kn` (a library gemv);
+    - 2 to `PANEL_MAX_ROWS` rows (verify blocks at batch 1): `reads[1]`, `panels` (the
+      weight cut into column panels of P outputs each laid out [K, P], as one matmul batched
+      over panels) or `kn`;
     - more rows (batches, prefill chunks): `kn`.
 
     From `nk`, XLA:CPU's GEMM re-lays the weight out on every call; each other layout it reads
-    as it is, and which is faster depends on the rows (SmolLM2's 30 layers in a chain, ms:
-    3 rows 27 over `kn`, 16 over `panels`; 16 rows 35 over `kn`, 45 over `panels`).
+    as it is. Which is faster depends on the rows (SmolLM2's 30 layers in a chain on an AMD
+    EPYC, ms: 3 rows 27 over `kn`, 16 over `panels`; 16 rows 35 over `kn`, 45 over `panels`)
+    and on the CPU (on a Xeon, one row reads `kn` 2-3x faster than `nk`'s loop gemv):
+    `reads` is static, chosen per machine by `jaxinfer.model.row_layouts`.
     Three times the weight's memory."""
 
     nk: jax.Array             # [..., N, K]: the HF layout
     panels: jax.Array | None  # [..., N // P, K, P]: panels[..., j, :, c] = nk[..., j * P + c, :]; None if no P divides N
     kn: jax.Array             # [..., K, N]: nk transposed
+    # static: the layout 1 row and 2..PANEL_MAX_ROWS rows read (one of each of `READS`)
+    reads: tuple[str, str] = struct.field(pytree_node=False, default=DEFAULT_READS)
 
     @classmethod
-    def of(cls, w: jax.Array) -> LinearLayouts:
+    def of(cls, w: jax.Array, reads: tuple[str, str] = DEFAULT_READS) -> LinearLayouts:
         """w: [..., N, K] in all three layouts (`w` itself is `nk`)."""
+        check_reads(reads)
         panels = to_panels(w) if panel_width(w.shape[-2]) else None
-        return cls(nk=w, panels=panels, kn=jnp.swapaxes(w, -1, -2))
+        return cls(nk=w, panels=panels, kn=jnp.swapaxes(w, -1, -2), reads=tuple(reads))
+
+
+def check_reads(reads) -> tuple[str, str]:
+    """`reads` as a pair, or ValueError naming what each row count may read (`READS`)."""
+    if not (isinstance(reads, tuple) and len(reads) == 2 and all(r in ok for r, ok in zip(reads, READS))):
+        raise ValueError(f"reads={reads!r}: one row reads one of {READS[0]}, 2-{PANEL_MAX_ROWS} rows one of {READS[1]}")
+    return tuple(reads)
 
 
 def panel_width(n: int) -> int | None:
@@ -84,18 +104,21 @@ def linear(x: jax.Array, w: jax.Array | LinearLayouts, b: jax.Array | None = Non
     """x: [..., K], w: [N, K] (HF layout) -> [..., N].
 
     A single row (a batch-1 decode step) is written `x @ w.T`: XLA:CPU fuses that transpose
-    into its multi-threaded gemv, which reads w at memory speed, where the einsum (or a
-    dot_general contracting w's last axis) becomes a plain dot thunk 20-30 % slower
-    (BENCHMARKS.md, "Decode at the hardware limit"). More rows read the layout that suits
-    them when the weight carries several (`LinearLayouts`)."""
+    into its multi-threaded loop gemv, which on the AMD EPYC machines read w at memory speed
+    where the einsum (or a dot_general contracting w's last axis) became a plain dot thunk
+    20-30 % slower (BENCHMARKS.md, "Decode at the hardware limit"; on a Xeon the library
+    gemv is the faster one, see `LinearLayouts`). A weight carrying several layouts is read
+    in the one its `reads` names for the number of rows."""
     rows = math.prod(x.shape[:-1])
-    if rows > 1 and isinstance(w, LinearLayouts):
-        if rows <= PANEL_MAX_ROWS and w.panels is not None:
+    if isinstance(w, LinearLayouts):
+        layout = "kn" if rows > PANEL_MAX_ROWS else w.reads[0] if rows == 1 else w.reads[1]
+        if layout == "panels" and w.panels is not None:
             y = panel_matmul(x, w.panels, preferred_element_type)
-        else:
+        elif layout == "kn" or layout == "panels":
             y = jnp.matmul(x, w.kn, preferred_element_type=preferred_element_type)
+        else:
+            y = linear(x, w.nk, preferred_element_type=preferred_element_type)
     elif rows == 1:
-        w = w.nk if isinstance(w, LinearLayouts) else w
         y = jnp.matmul(x.reshape(1, -1), w.T, preferred_element_type=preferred_element_type).reshape(*x.shape[:-1], -1)
     else:
         y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
@@ -107,9 +130,10 @@ def linears(x: jax.Array, ws: tuple[jax.Array | LinearLayouts, ...],
     """[linear(x, w, b) for w, b in zip(ws, bs)]. For a single row, one gemv (and one bias add) over
     the weights concatenated inside the program: XLA:CPU fuses the concatenation into the
     gemv's reads (nothing is copied), and one large multi-threaded read beats several small
-    ones (q, k, v of SmolLM2: 2.9 -> 2.1 ms a step). More rows would copy the weights: separate."""
+    ones (q, k, v of SmolLM2: 2.9 -> 2.1 ms a step). More rows, or one row that reads `kn`,
+    would copy the weights: separate."""
     bs = bs or (None,) * len(ws)
-    if math.prod(x.shape[:-1]) != 1:
+    if math.prod(x.shape[:-1]) != 1 or any(isinstance(w, LinearLayouts) and w.reads[0] != "nk" for w in ws):
         return [linear(x, w, b) for w, b in zip(ws, bs)]
     ws = [w.nk if isinstance(w, LinearLayouts) else w for w in ws]
     b = None if all(b is None for b in bs) else jnp.concatenate(

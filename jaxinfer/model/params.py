@@ -20,7 +20,7 @@ from flax import struct
 
 from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
-from jaxinfer.model.layers import LinearLayouts
+from jaxinfer.model.layers import DEFAULT_READS, LinearLayouts, check_reads
 
 
 @struct.dataclass
@@ -230,17 +230,28 @@ def lm_head_weight(params: ModelParams) -> jax.Array:
     return w.nk if isinstance(w, LinearLayouts) else w
 
 
-def with_gemm_weights(params: ModelParams) -> ModelParams:
+def with_gemm_weights(params: ModelParams, reads: tuple[str, str] = DEFAULT_READS) -> ModelParams:
     """`params` with each dense layer's linear weights and the LM head also stored in the
     layouts XLA:CPU's multi-row products (verify blocks, batches, prefill chunks) read without
-    re-laying the weight out every call (`jaxinfer.model.layers.LinearLayouts`). Copies those
-    weights twice (a tied LM head keeps the embedding as its `nk`); MLA layers, experts and the
-    embedding are left as they are."""
+    re-laying the weight out every call (`jaxinfer.model.layers.LinearLayouts`), one and few
+    rows reading the layouts `reads` names. Copies those weights twice (a tied LM head keeps
+    the embedding as its `nk`); MLA layers, experts and the embedding are left as they are.
+    Params already in all layouts get `reads` and keep their arrays."""
 
     def all_layouts(layer):
-        return layer.replace(**{name: LinearLayouts.of(w) for name, w in gemm_weights(layer).items()})
+        if not isinstance(layer, LayerParams):
+            return layer
+        return layer.replace(**{name: _with_reads(w, reads) for name in GEMM_WEIGHTS
+                                if isinstance(w := getattr(layer, name), (jax.Array, LinearLayouts))})
 
-    return params.replace(layers=_map_layers(all_layouts, params.layers), lm_head=LinearLayouts.of(lm_head_weight(params)))
+    head = params.lm_head if isinstance(params.lm_head, LinearLayouts) else lm_head_weight(params)
+    return params.replace(layers=_map_layers(all_layouts, params.layers), lm_head=_with_reads(head, reads))
+
+
+def _with_reads(w: jax.Array | LinearLayouts, reads: tuple[str, str]) -> LinearLayouts:
+    if isinstance(w, LinearLayouts):
+        return dataclasses.replace(w, reads=check_reads(reads))
+    return LinearLayouts.of(w, reads)
 
 
 def without_gemm_weights(params: ModelParams) -> ModelParams:
