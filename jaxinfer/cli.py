@@ -154,23 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--kind", choices=("draft", "eagle"), default="draft",
                     help="'draft': a small model from the target's first layers; 'eagle': a one-layer head over "
                          "the target's features, trained with EAGLE-3's training-time test")
-    td.add_argument("--layers", type=int, default=2, help="(draft) layers, initialised from the target's first ones")
+    td.add_argument("--layers", type=int, help="(draft) layers, initialised from the target's first ones (default 2)")
     td.add_argument("--vocab-subset", type=int, default=8192, help="LM head size: the most frequent training tokens")
     td.add_argument("--prompts", type=int, help="built-in instructions the target answers (default: 100 for a "
                     "draft, all 628 of the expanded set for eagle)")
-    td.add_argument("--self-prompts", type=int, default=628,
+    td.add_argument("--self-prompts", type=int,
                     help="(eagle) more instructions the target writes itself (Magpie: it samples a user's turn from "
-                         "its chat template), answered after the built-in ones; 0 for a model without a chat template")
-    td.add_argument("--temperatures", type=_float_list, default=(0.0,),
-                    help="(eagle) the target answers every prompt once at each, e.g. 0 or 0,0.8")
+                         "its chat template), answered after the built-in ones (default 628); 0 for a model without "
+                         "a chat template")
+    td.add_argument("--temperatures", type=_float_list,
+                    help="(eagle) the target answers every prompt once at each, e.g. 0 or 0,0.8 (default 0)")
     td.add_argument("--new-tokens", type=int, default=192, help="tokens generated per prompt and temperature")
     td.add_argument("--epochs", type=int, help="passes over the training text (default 8)")
     td.add_argument("--lr", type=float, help="peak AdamW learning rate, cosine schedule (default 2e-3)")
-    td.add_argument("--ttt-steps", type=int, default=3, help="(eagle) head steps unrolled on its own predictions")
+    td.add_argument("--ttt-steps", type=int, help="(eagle) head steps unrolled on its own predictions (default 3)")
     td.add_argument("--sequences", help="(eagle) .npz cache of the generated text: read if it exists, else written")
-    td.add_argument("--feature-layers", type=_layer_list, default="auto",
-                    help="(eagle) target layers whose outputs the head fuses (EAGLE-3), e.g. 2,15,29; 'auto': a low, "
-                         "the middle and the last layer; 'last': the last layer's alone, unfused")
+    td.add_argument("--feature-layers", type=_layer_list,
+                    help="(eagle) target layers whose outputs the head fuses (EAGLE-3), e.g. 2,15,29; 'auto' (the "
+                         "default): a low, the middle and the last layer; 'last': the last layer's alone, unfused")
     td.add_argument("--seed", type=int, default=0)
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -374,15 +375,21 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
     if os.path.isdir(args.out) and os.listdir(args.out):
         raise ValueError(f"--out {args.out} is not empty")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    # the config first: a bad option is refused before the model loads
     given = {name: value for name, value in (("num_prompts", args.prompts), ("epochs", args.epochs), ("lr", args.lr))
              if value is not None}
-    if args.kind == "eagle":  # the config first: a bad option is refused before the model loads
+    own = {"eagle": ("self_prompts", "temperatures", "ttt_steps", "sequences", "feature_layers"), "draft": ("layers",)}
+    other = "draft" if args.kind == "eagle" else "eagle"
+    misplaced = ["--" + name.replace("_", "-") for name in own[other] if getattr(args, name) is not None]
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} only apply to --kind {other} (this is --kind {args.kind})")
+    given.update({name: getattr(args, name) for name in own[args.kind] if getattr(args, name) is not None})
+    given.pop("sequences", None)
+    if args.kind == "eagle":
         from jaxinfer.speculative.eagle import save_eagle_head
         from jaxinfer.speculative.train.eagle import EagleTrainingConfig, train_eagle
 
-        cfg = EagleTrainingConfig(vocab_subset=args.vocab_subset, new_tokens=args.new_tokens, ttt_steps=args.ttt_steps,
-                                  feature_layers=args.feature_layers, self_prompts=args.self_prompts,
-                                  temperatures=args.temperatures, seed=args.seed, **given)
+        cfg = EagleTrainingConfig(vocab_subset=args.vocab_subset, new_tokens=args.new_tokens, seed=args.seed, **given)
         model = _load(args.model, "float32")
         params, vocab_ids, figures = train_eagle(model, cfg, sequences_file=args.sequences, log=log)
         save_eagle_head(params, vocab_ids, model, args.out, figures)
@@ -392,8 +399,8 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
     from jaxinfer.speculative.checkpoint import save_trained_draft
     from jaxinfer.speculative.train import DraftTrainingConfig, train_draft
 
-    cfg = DraftTrainingConfig(n_layers=args.layers, vocab_subset=args.vocab_subset, new_tokens=args.new_tokens,
-                              seed=args.seed, **given)
+    cfg = DraftTrainingConfig(n_layers=given.pop("layers", DraftTrainingConfig.n_layers), vocab_subset=args.vocab_subset,
+                              new_tokens=args.new_tokens, seed=args.seed, **given)
     model = _load(args.model, "float32")
     draft, figures = train_draft(model, cfg, log=log)
     save_trained_draft(draft, model, args.out, figures)
