@@ -94,13 +94,20 @@ def _mesh(args: argparse.Namespace):
     return None if args.mesh is None else make_mesh(args.mesh)
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None (the help says what an unset option means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts (one prompt streams to stdout)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelp)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="one or more prompts")
     gen.add_argument("--prompts-file", help="a file with one prompt per line (added after PROMPTs)")
     _add_model_flags(gen)
@@ -136,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
     cal = sub.add_parser("calibrate-kv", help="choose per-layer KV-cache formats (fewest bytes) within an error budget",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelp)
     _add_model_flags(cal)
     cal.add_argument("--out", required=True, help="where to write the plan (JSON; pass it as kv_cache=...)")
     cal.add_argument("--budget-kl", type=float, help="max mean next-token KL (nats) against the full-precision cache")
@@ -148,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--probe", default="int4", help="format whose per-layer KL is measured; 'none' to skip")
     cal.add_argument("--margin", type=float, default=0.8, help="the plan's measured KL must be <= margin * budget")
     td = sub.add_parser("train-draft", help="train a draft for speculative decoding (self-distillation): a small "
-                        "model, or an EAGLE head over the target's features", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        "model, or an EAGLE head over the target's features", formatter_class=_DefaultsHelp)
     td.add_argument("--model", help="the target model (see `generate --model`); default: SmolLM2-135M-Instruct")
     td.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     td.add_argument("--kind", choices=("draft", "eagle"), default="draft",
@@ -174,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default): a low, the middle and the last layer; 'last': the last layer's alone, unfused")
     td.add_argument("--seed", type=int, default=0)
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelp)
     _add_model_flags(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
