@@ -27,7 +27,7 @@ PANEL_MAX_ROWS = 6  # more rows read `kn` faster (equal at 8, BENCHMARKS.md)
 # The layout a product of one row, and of 2 to PANEL_MAX_ROWS rows, may read
 # (`LinearLayouts.reads`). Which is fastest depends on the CPU, not only on the shapes
 # (BENCHMARKS.md, "Which layout each row count reads"): ("nk", "panels") on the AMD EPYC
-# machines, ("kn", "kn") on a Sapphire Rapids Xeon. `jaxinfer.model.row_layouts` measures it.
+# machines, ("kn", "kn") on an AMX-capable Xeon. `jaxinfer.model.row_layouts` measures it.
 READS = (("nk", "kn"), ("panels", "kn"))
 DEFAULT_READS = ("nk", "panels")
 

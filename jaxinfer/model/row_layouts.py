@@ -5,7 +5,7 @@ An engine on XLA:CPU keeps every dense weight as `nk`, `panels` and `kn`
 few rows read fastest is a property of the machine, not only of the shapes
 (BENCHMARKS.md, "Which layout each row count reads"): on the AMD EPYC machines one row read
 `nk` (`x @ w.T`, XLA's fused loop gemv) 1.4x faster than `kn`, and 2-6 rows read `panels`
-fastest; on a Sapphire Rapids Xeon one row reads `kn` (a library gemv) 2-3x faster than
+fastest; on an AMX-capable Xeon one row reads `kn` (a library gemv) 2-3x faster than
 `nk`, and a few rows `kn` too.
 
 `measure_reads` times the candidates over the model's own weights: every dense product and
