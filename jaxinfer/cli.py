@@ -62,6 +62,8 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    "'draft[:DIR]' (a trained draft; default checkpoints/smollm2_draft) or 'eagle[:DIR]' (an EAGLE "
                    "head over the model's features; default checkpoints/smollm2_eagle)")
     p.add_argument("--num-speculative", type=int, default=4, help="draft tokens verified per step (k)")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="steps with N or more decoding requests do not speculate ('ngram' and 'self:N' only)")
 
 
 def _fit_context(config: EngineConfig, model: Model) -> EngineConfig:
@@ -72,7 +74,12 @@ def _fit_context(config: EngineConfig, model: Model) -> EngineConfig:
 def _speculative(args: argparse.Namespace):
     from jaxinfer.engine import SpeculativeConfig
 
-    return None if args.speculative is None else SpeculativeConfig.parse(args.speculative, args.num_speculative)
+    if args.speculative is None:
+        if args.speculative_disable_by_batch_size is not None:
+            raise ValueError("--speculative-disable-by-batch-size needs --speculative")
+        return None
+    return SpeculativeConfig.parse(args.speculative, args.num_speculative,
+                                   disable_by_batch_size=args.speculative_disable_by_batch_size)
 
 
 def _add_mesh_flags(p: argparse.ArgumentParser) -> None:

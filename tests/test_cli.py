@@ -64,7 +64,10 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
                         (("--max-tokens", "10", "--min-tokens", "11"), "min_tokens"),
                         (("--regex", "[a-z"), "structured_outputs.regex"),
                         (("--json-schema", str(tmp_path / "schema.json")), "schema.json"),
-                        (("--async-scheduling", "--speculative", "ngram"), "async_scheduling")]:
+                        (("--async-scheduling", "--speculative", "ngram"), "async_scheduling"),
+                        (("--speculative-disable-by-batch-size", "2"), "needs --speculative"),
+                        (("--speculative", "eagle", "--speculative-disable-by-batch-size", "2"),
+                         "disable_by_batch_size works with 'ngram' and 'self'")]:
         status, err = run_main(capsys, "generate", *args, "hi")
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
     for args, named in [(("--feature-layers", "2,x"), "comma-separated"), (("--feature-layers", "2,2"), "feature_layers"),

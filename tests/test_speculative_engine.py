@@ -155,6 +155,25 @@ def test_speculation_compiles_nothing_after_warmup(model, source):
     assert eng.metrics().obtained_programs == before
 
 
+@pytest.mark.parametrize("source", ["ngram", pytest.param("self", marks=pytest.mark.extended)])
+def test_speculation_pauses_while_many_requests_decode(model, plain_tokens, source):
+    """`disable_by_batch_size=3`: steps with 3 or more decoding requests run the plain program
+    (compiled at warm-up, nothing after), the others speculate; tokens are plain decoding's."""
+    from test_engine import record_dispatches
+
+    config = dataclasses.replace(draft_sources(model)[source], disable_by_batch_size=3)
+    eng = engine(model, config)  # pages for every slot: 4 requests decode at once
+    eng.warmup()
+    before = eng.metrics().obtained_programs
+    dispatched = record_dispatches(eng)
+    assert [o.token_ids for o in eng.generate(prompts(8), GREEDY)] == plain_tokens
+    assert eng.metrics().obtained_programs == before
+    steps = [(int(batch.decode_active.sum()), drafts is not None) for batch, drafts in dispatched]
+    assert all(n < 3 for n, drafted in steps if drafted)
+    assert any(n >= 3 for n, _ in steps) and any(drafted for _, drafted in steps)
+    assert eng.metrics().speculative.drafted.sum() > 0
+
+
 def test_bad_speculative_configs_are_rejected(model):
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig("medusa")
@@ -171,6 +190,11 @@ def test_bad_speculative_configs_are_rejected(model):
         engine(model, SpeculativeConfig("ngram"), kv_cache="int4")
     with pytest.raises(ValueError, match="streaming"):
         EngineConfig(speculative=SpeculativeConfig("ngram"), streaming=(4, 16))
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="disable_by_batch_size"):
+            SpeculativeConfig("ngram", disable_by_batch_size=bad)
+    with pytest.raises(ValueError, match="disable_by_batch_size works with 'ngram' and 'self'"):
+        SpeculativeConfig("eagle", disable_by_batch_size=4)
 
 
 @pytest.mark.parametrize("tied", [False, True])

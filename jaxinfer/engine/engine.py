@@ -429,7 +429,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        drafts = self._draft_batch(plan) if self.spec_stats else None
+        drafts = self._draft_batch(plan) if self._speculates(plan) else None
         if drafts is not None and self.config.speculative.method == "ngram":
             drafts = self._narrowest(drafts)
         launched = self._launch(plan, drafts)
@@ -670,6 +670,14 @@ class Engine:
             self._draft_vocab, draft_kv, None if d is None else d.config, 0 if d is None else d.shares_target_layers,
             impl, c.mesh, penalties)
 
+    def _speculates(self, plan: SchedulePlan) -> bool:
+        """Whether this step drafts: a speculating engine does unless its decode rows reach
+        `SpeculativeConfig.disable_by_batch_size`."""
+        if not self.spec_stats:
+            return False
+        limit = self.config.speculative.disable_by_batch_size
+        return limit is None or len(plan.decode) < limit
+
     def _draft_batch(self, plan: SchedulePlan) -> DraftBatch | EagleBatch:
         """How many drafts each decoding request verifies, in `plan.decode`'s order (`_launch`
         lays them out by decode row); n-gram drafts are proposed here."""
@@ -740,11 +748,12 @@ class Engine:
         context bucket first (what short requests run), then the largest (it fits every
         sequence), then the rest. Per bucket: decode + prefill, decode only; with speculation,
         the verifying step at each draft width (n-gram: also the plain step, for steps with
-        nothing to verify). Each at max_slots decode rows (they serve any step); then the
+        nothing to verify; with `disable_by_batch_size`, for steps with too many rows). Each at max_slots decode rows (they serve any step); then the
         decode-only programs of the smaller row buckets, in the same order."""
         drafts = [0]
         if self.spec_stats:
-            drafts = self.draft_widths + ([0] if self.config.speculative.method == "ngram" else [])
+            sc = self.config.speculative
+            drafts = self.draft_widths + ([0] if sc.method == "ngram" or sc.disable_by_batch_size else [])
         buckets, full = self.context_buckets, self.config.max_slots
         order = [buckets[0]] + ([buckets[-1]] if len(buckets) > 1 else []) + buckets[1:-1]
         keys = [(w, prefill, d, full, False) for w in order for prefill in (True, False) for d in drafts]

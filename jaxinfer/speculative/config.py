@@ -34,6 +34,11 @@ class SpeculativeConfig:
       `jaxinfer train-draft --kind eagle`, or None for the shipped `checkpoints/smollm2_eagle`.
 
     `num_speculative` (k) is fixed per engine: every step verifies up to k drafts per slot.
+    `disable_by_batch_size` (vLLM's option of that name): a step with at least this many
+    decoding requests runs the plain one-token program instead, because with many rows a
+    verify block costs more than the drafts save (on a 2-core CPU every source loses at
+    batch 8: BENCHMARKS.md). Only for "ngram" and "self", whose drafts keep no cache of their
+    own that a plain step would leave behind.
 
     A request's first generated token never comes from speculation: it is sampled from
     the logits at the prompt's last token, which the prefill step computes; drafting (and
@@ -48,6 +53,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_short_draft: int | None = 2
     ngram_prompt_first: bool = False
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -58,22 +64,29 @@ class SpeculativeConfig:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
         if self.ngram_short_draft is not None and not (isinstance(self.ngram_short_draft, int) and self.ngram_short_draft >= 1):
             raise ValueError(f"SpeculativeConfig.ngram_short_draft={self.ngram_short_draft!r} must be None or an integer >= 1")
+        if self.disable_by_batch_size is not None:
+            if not (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1):
+                raise ValueError(f"SpeculativeConfig.disable_by_batch_size={self.disable_by_batch_size!r} must be None "
+                                 "or an integer >= 1")
+            if self.method not in ("ngram", "self"):
+                raise ValueError(f"SpeculativeConfig.disable_by_batch_size works with 'ngram' and 'self' drafts, not "
+                                 f"{self.method!r}: its own cache would miss the tokens of the steps that do not speculate")
         if self.method == "draft" and self.draft is None:
             raise ValueError("SpeculativeConfig(method='draft') needs draft=DraftModel(...) or a checkpoint path")
 
     @classmethod
-    def parse(cls, text: str, num_speculative: int = 4) -> SpeculativeConfig:
+    def parse(cls, text: str, num_speculative: int = 4, **options) -> SpeculativeConfig:
         """CLI form: 'ngram', 'self:N', 'draft:PATH' or 'eagle:PATH' ('draft' / 'eagle' alone:
-        the shipped checkpoint)."""
+        the shipped checkpoint); `options`: other fields (e.g. disable_by_batch_size)."""
         method, _, arg = text.partition(":")
         if method == "self":
-            return cls("self", num_speculative, self_layers=int(arg) if arg else 4)
+            return cls("self", num_speculative, self_layers=int(arg) if arg else 4, **options)
         if method == "draft":
-            return cls("draft", num_speculative, draft=arg or str(DEFAULT_DRAFT_PATH))
+            return cls("draft", num_speculative, draft=arg or str(DEFAULT_DRAFT_PATH), **options)
         if method == "eagle":
-            return cls("eagle", num_speculative, draft=arg or str(DEFAULT_EAGLE_PATH))
+            return cls("eagle", num_speculative, draft=arg or str(DEFAULT_EAGLE_PATH), **options)
         if method == "ngram" and not arg:
-            return cls("ngram", num_speculative)
+            return cls("ngram", num_speculative, **options)
         raise ValueError(f"--speculative {text!r}: expected 'ngram', 'self:N', 'draft[:PATH]' or 'eagle[:PATH]'")
 
 
