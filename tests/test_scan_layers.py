@@ -342,9 +342,12 @@ def test_row_layouts_measured_once_per_machine(tmp_path, monkeypatch):
     assert row_layouts.choose_reads(every, ("kn", "kn")) == ("kn", "kn")
 
     monkeypatch.setattr(row_layouts, "MEASURE_MIN_BYTES", 0)
-    measured = row_layouts.measure_reads(every, rounds=1)
-    assert set(measured["ms"]) == {(1, "nk"), (1, "kn"), (row_layouts.FEW_ROWS, "panels"), (row_layouts.FEW_ROWS, "kn")}
-    assert all(t > 0 for t in measured["ms"].values())
+    stacked = with_gemm_weights(with_layer_runs(params, layer_runs(config)))  # a scanned run's layers, one by one
+    for p in (every, stacked):
+        measured = row_layouts.measure_reads(p, rounds=1)
+        assert set(measured["ms"]) == {(1, "nk"), (1, "kn"), (row_layouts.FEW_ROWS, "panels"), (row_layouts.FEW_ROWS, "kn")}
+        assert all(t > 0 for t in measured["ms"].values())
+    assert len(row_layouts._chain_weights(stacked)) == len(row_layouts._chain_weights(every)) == 2 * 7 + 1
     chosen = row_layouts.choose_reads(every)
     assert chosen in ALL_READS
     saved = json.loads((tmp_path / "row_layouts.json").read_text())

@@ -72,6 +72,8 @@ def measure_reads(params: ModelParams, rounds: int = 5) -> dict:
     chain (`rounds` interleaved rounds, medians) -> {"reads": the faster pair, "ms": {(rows,
     layout): median ms}}. A candidate beats the default only when `MARGIN` or faster."""
     base = with_gemm_weights(params, DEFAULT_READS)
+    if not _chain_weights(base):  # nothing stored in several layouts (MLA layers, experts)
+        return {"reads": DEFAULT_READS, "ms": {}}
     candidates = [(1, layout) for layout in READS[0]] + [(FEW_ROWS, layout) for layout in READS[1]]
 
 
