@@ -319,6 +319,8 @@ def test_row_layouts_option_names_what_each_row_count_reads(bad):
         EngineConfig(row_layouts=bad)
     with pytest.raises(ValueError, match="one row reads one of"):
         LinearLayouts.of(jnp.zeros((8, 4)), bad)
+    with pytest.raises(ValueError, match="only weight_layouts 'all'"):
+        EngineConfig(weight_layouts="one", row_layouts=("kn", "kn"))
 
 
 def test_pick_reads_keeps_the_default_unless_another_is_clearly_faster():

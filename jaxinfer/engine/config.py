@@ -112,6 +112,9 @@ class EngineConfig:
                 check_reads(self.row_layouts)
             except ValueError as e:
                 raise ValueError(f"EngineConfig.row_layouts={self.row_layouts!r} must be 'auto' or a pair: {e}") from None
+            if self.weight_layouts == "one":
+                raise ValueError("EngineConfig.row_layouts names layouts that only weight_layouts 'all' (or 'auto' on "
+                                 "one CPU device) stores; with weight_layouts='one' leave it 'auto'")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(f"EngineConfig.layer_loop={self.layer_loop!r} must be one of {LAYER_LOOPS}")
         if self.scheduling not in ("continuous", "static"):

@@ -747,9 +747,10 @@ class Engine:
         """Every program traffic can need, in the order warm-up compiles them: the smallest
         context bucket first (what short requests run), then the largest (it fits every
         sequence), then the rest. Per bucket: decode + prefill, decode only; with speculation,
-        the verifying step at each draft width (n-gram: also the plain step, for steps with
-        nothing to verify; with `disable_by_batch_size`, for steps with too many rows). Each at max_slots decode rows (they serve any step); then the
-        decode-only programs of the smaller row buckets, in the same order."""
+        the verifying step at each draft width (n-gram, or with `disable_by_batch_size`: also
+        the plain step, for steps with nothing to verify or too many rows). Each at max_slots
+        decode rows (they serve any step); then the decode-only programs of the smaller row
+        buckets, in the same order."""
         drafts = [0]
         if self.spec_stats:
             sc = self.config.speculative
