@@ -60,7 +60,12 @@ def choose_reads(params: ModelParams, setting: str | tuple[str, str] = "auto") -
         if _valid(remembered):
             _CHOSEN[key] = tuple(remembered)
         else:  # never measured here (or the file was damaged): measure
-            _CHOSEN[key] = measure_reads(params)["reads"]
+            try:
+                _CHOSEN[key] = measure_reads(params)["reads"]
+            except Exception as e:  # noqa: BLE001 - a failed timing must not stop an engine: keep the default
+                logger.warning("could not time the row layouts (%s: %s); products keep %s", type(e).__name__, e,
+                               DEFAULT_READS)
+                return DEFAULT_READS
             _write_cache(key, _CHOSEN[key])
             logger.info("products of 1 row read %s, of 2-%d rows %s on this machine (measured; kept in %s)",
                         _CHOSEN[key][0], PANEL_MAX_ROWS, _CHOSEN[key][1], _cache_path())
