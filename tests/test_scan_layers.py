@@ -7,6 +7,7 @@ with depth; and the scan must write each layer's pages in place in the stacked p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -205,9 +206,9 @@ ALL_READS = list(itertools.product(*READS))
 @pytest.mark.parametrize("case", ["gqa", "window", "mla", "plan"])
 @pytest.mark.parametrize("stacked", [False, True])
 def test_all_weight_layouts_forward_equals_one(case, stacked):
-    """Prefill rows (GEMMs over `kn` or batched matmuls over `panels`) and decode rows (gemvs over `nk`, or `kn`
-    with ("kn", "kn") reads) give the one-layout forward's logits to f32 rounding (different kernels, so not bit
-    for bit)."""
+    """Prefill rows (GEMMs over `kn` or batched matmuls over `panels`), two decode rows (the same) and one
+    decode row (gemvs over `nk`, or over `kn` and the q/k/v and gate/up groups with ("kn", "kn") reads) give
+    the one-layout forward's logits to f32 rounding (different kernels, so not bit for bit)."""
     config, options = CASES[case]
     params = init_random_params(config, seed=1, scale=0.3)
     spec = KVCacheSpec(num_pages=2 * 4 + 1, page_size=4, max_slots=2, max_pages_per_seq=4)
@@ -219,11 +220,29 @@ def test_all_weight_layouts_forward_equals_one(case, stacked):
     if config.mla is None:
         assert sum(isinstance(x, LinearLayouts) for x in jax.tree.leaves(
             every.layers, is_leaf=lambda x: isinstance(x, LinearLayouts))) == len(every.layers) * 7
+    one_spec = KVCacheSpec(num_pages=4 + 1, page_size=4, max_slots=1, max_pages_per_seq=4)
+    one_row = lambda p: decode_one_row(p, config, init_paged_kv(config, one_spec, layer_runs=runs, **options))
+    ref_one = one_row(params)
     for reads in (DEFAULT_READS, ("kn", "kn")):
         logits, tokens = decode(with_gemm_weights(every, reads), config, fresh())
         assert tokens == ref_tokens
-        for want, got in zip(ref_logits, logits):
+        for want, got in zip(ref_logits + ref_one, logits + one_row(with_gemm_weights(every, reads))):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def decode_one_row(params, config, kv, steps: int = 3) -> list[jax.Array]:
+    """One sequence: a 5-token prefill, then `steps` one-token steps -> logits per call."""
+    kv = kv.replace(block_tables=jnp.asarray(block_table_array([list(range(1, 1 + kv.max_pages_per_seq))],
+                                                               kv.max_pages_per_seq)))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (1, 5)), jnp.int32)
+    logits, kv = forward(params, config, tokens, jnp.arange(5, dtype=jnp.int32)[None], kv,
+                         logits_index=jnp.array([4], jnp.int32))
+    out = [logits]
+    for _ in range(steps):
+        nxt = jnp.argmax(out[-1], axis=-1).astype(jnp.int32)[:, None]  # i32[1, 1]
+        logits, kv = forward(params, config, nxt, kv.lengths[:, None], kv)
+        out.append(logits[:, 0])
+    return out
 
 
 @pytest.mark.parametrize("rows", [(1,), (1, 1), (2,), (PANEL_MAX_ROWS,), (2, 3), (PANEL_MAX_ROWS + 1,)])
@@ -237,9 +256,13 @@ def test_linear_forms_agree(rows, biases):
     want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64).T + (0 if b is None else np.asarray(b, np.float64))
             for w, b in zip(ws, bs or (None,) * 3)]
     layouts = [[LinearLayouts.of(w, reads) for w in ws] for reads in ALL_READS]
+    kn = [LinearLayouts.of(w, ("kn", "kn")) for w in ws]
+    grouped = [dataclasses.replace(kn[0], group=jnp.concatenate([w.kn for w in kn], axis=-1))] + kn[1:]
     for got in ([[linear(x, w, b) for w, b in zip(ws, bs or (None,) * 3)], linears(x, tuple(ws), bs)]
                 + [[linear(x, w, b) for w, b in zip(lw, bs or (None,) * 3)] for lw in layouts]
-                + [linears(x, tuple(lw), bs) for lw in layouts]):
+                + [linears(x, tuple(lw), bs) for lw in layouts + [grouped]]
+                # a group that is not these weights' is not read
+                + [linears(x, tuple(grouped[:2]), bs and bs[:2]) + [linear(x, ws[2], bs and bs[2])]]):
         for g, w in zip(got, want):
             assert g.shape == (*rows, w.shape[-1])
             np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
@@ -309,6 +332,12 @@ def test_engine_weight_layouts_generate_the_same():
         # a tiny model is not worth timing: "auto" keeps the default
         assert eng.row_layouts == (None if layouts == "one" else DEFAULT_READS if reads == "auto" else reads)
         assert all(w.reads == eng.row_layouts for w in stored)
+        # one row reading `kn` reads q/k/v and gate/up each in one gemv over a stored group
+        layer = eng.model.params.layers[0]
+        for first, names in ((getattr(layer, "wq", None), ("wq", "wk", "wv")), (getattr(layer, "w_gate", None), ("w_gate", "w_up"))):
+            if isinstance(first, LinearLayouts):
+                want = None if first.reads[0] == "nk" else np.concatenate([getattr(layer, n).kn for n in names], axis=-1)
+                assert (first.group is None) if want is None else np.array_equal(first.group, want)
         outs[layouts, reads] = [o.token_ids for o in eng.generate(prompts, sp)]
     assert len(set(map(str, outs.values()))) == 1, outs
 

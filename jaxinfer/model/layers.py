@@ -49,13 +49,18 @@ class LinearLayouts:
     EPYC, ms: 3 rows 27 over `kn`, 16 over `panels`; 16 rows 35 over `kn`, 45 over `panels`)
     and on the CPU (on a Xeon, one row reads `kn` 2-3x faster than `nk`'s loop gemv):
     `reads` is static, chosen per machine by `jaxinfer.model.row_layouts`.
-    Three times the weight's memory."""
+    Three times the weight's memory; where one row reads `kn`, the first weight of a group
+    that `linears` multiplies together (q with k and v, gate with up) also keeps `group`."""
 
     nk: jax.Array             # [..., N, K]: the HF layout
     panels: jax.Array | None  # [..., N // P, K, P]: panels[..., j, :, c] = nk[..., j * P + c, :]; None if no P divides N
     kn: jax.Array             # [..., K, N]: nk transposed
     # static: the layout 1 row and 2..PANEL_MAX_ROWS rows read (one of each of `READS`)
     reads: tuple[str, str] = struct.field(pytree_node=False, default=DEFAULT_READS)
+    # [..., K, N + N' + ...]: `kn` and the kn of the weights `linears` takes with this one,
+    # side by side, so one row reads the group in one gemv: each small product pays a fixed
+    # cost (q/k/v and gate/up grouped: a batch-1 step 31.0 -> 29.0 ms on the Xeon, BENCHMARKS.md)
+    group: jax.Array | None = None
 
     @classmethod
     def of(cls, w: jax.Array, reads: tuple[str, str] = DEFAULT_READS) -> LinearLayouts:
@@ -127,26 +132,36 @@ def linear(x: jax.Array, w: jax.Array | LinearLayouts, b: jax.Array | None = Non
 
 def linears(x: jax.Array, ws: tuple[jax.Array | LinearLayouts, ...],
             bs: tuple[jax.Array | None, ...] | None = None) -> list[jax.Array]:
-    """[linear(x, w, b) for w, b in zip(ws, bs)]. For a single row, one gemv (and one bias add) over
-    the weights concatenated inside the program: XLA:CPU fuses the concatenation into the
-    gemv's reads (nothing is copied), and one large multi-threaded read beats several small
-    ones (q, k, v of SmolLM2: 2.9 -> 2.1 ms a step). More rows, or one row that reads `kn`,
-    would copy the weights: separate."""
+    """[linear(x, w, b) for w, b in zip(ws, bs)]. For a single row, one gemv (and one bias add)
+    over all the weights: in `nk`, concatenated inside the program (XLA:CPU fuses the
+    concatenation into its loop gemv's reads: nothing is copied); in `kn`, the first weight's
+    stored `group`. One large read beats several small ones (q, k, v of SmolLM2: 2.9 -> 2.1 ms
+    a step). More rows, or a `kn` read without a group, would copy the weights: separate."""
     bs = bs or (None,) * len(ws)
-    if math.prod(x.shape[:-1]) != 1 or any(isinstance(w, LinearLayouts) and w.reads[0] != "nk" for w in ws):
+    one_row = math.prod(x.shape[:-1]) == 1
+    reads_kn = [isinstance(w, LinearLayouts) and w.reads[0] == "kn" for w in ws]
+    grouped = (one_row and all(reads_kn) and ws[0].group is not None
+               and ws[0].group.shape[-1] == sum(w.nk.shape[-2] for w in ws))
+    if not one_row or (any(reads_kn) and not grouped):
         return [linear(x, w, b) for w, b in zip(ws, bs)]
-    ws = [w.nk if isinstance(w, LinearLayouts) else w for w in ws]
+    nks = [w.nk if isinstance(w, LinearLayouts) else w for w in ws]
     b = None if all(b is None for b in bs) else jnp.concatenate(
-        [jnp.zeros(w.shape[0], w.dtype) if b is None else b for w, b in zip(ws, bs)])
-    y = linear(x, jnp.concatenate(ws), b)
-    return jnp.split(y, np.cumsum([w.shape[0] for w in ws[:-1]]), axis=-1)
+        [jnp.zeros(w.shape[0], w.dtype) if b is None else b for w, b in zip(nks, bs)])
+    if grouped:
+        y = jnp.matmul(x.reshape(1, -1), ws[0].group).reshape(*x.shape[:-1], -1)
+        y = y if b is None else y + b
+    else:
+        y = linear(x, jnp.concatenate(nks), b)
+    return jnp.split(y, np.cumsum([w.shape[-2] for w in nks[:-1]]), axis=-1)
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(gate(x)) * up(x)); x: [..., D] -> [..., D]."""
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    gate, up = linears(x, (w_gate, w_up))
+    return linear(jax.nn.silu(gate) * up, w_down)
 
 
 def geglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(gelu_tanh(gate(x)) * up(x)) (Gemma's `gelu_pytorch_tanh`); x: [..., D] -> [..., D]."""
-    return linear(jax.nn.gelu(linear(x, w_gate), approximate=True) * linear(x, w_up), w_down)
+    gate, up = linears(x, (w_gate, w_up))
+    return linear(jax.nn.gelu(gate, approximate=True) * up, w_down)

@@ -215,6 +215,7 @@ def init_random_params(config: ModelConfig, seed: int = 0, scale: float = 0.02,
 
 
 GEMM_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the dense layers' linear weights
+GEMM_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"))  # weights one input multiplies (`linears`)
 
 
 def gemm_weights(layer) -> dict[str, jax.Array]:
@@ -235,14 +236,21 @@ def with_gemm_weights(params: ModelParams, reads: tuple[str, str] = DEFAULT_READ
     layouts XLA:CPU's multi-row products (verify blocks, batches, prefill chunks) read without
     re-laying the weight out every call (`jaxinfer.model.layers.LinearLayouts`), one and few
     rows reading the layouts `reads` names. Copies those weights twice (a tied LM head keeps
-    the embedding as its `nk`); MLA layers, experts and the embedding are left as they are.
+    the embedding as its `nk`), and where one row reads `kn` also q/k/v and gate/up side by
+    side (`LinearLayouts.group`); MLA layers, experts and the embedding are left as they are.
     Params already in all layouts get `reads` and keep their arrays."""
 
     def all_layouts(layer):
         if not isinstance(layer, LayerParams):
             return layer
-        return layer.replace(**{name: _with_reads(w, reads) for name in GEMM_WEIGHTS
-                                if isinstance(w := getattr(layer, name), (jax.Array, LinearLayouts))})
+        layer = layer.replace(**{name: _with_reads(w, reads) for name in GEMM_WEIGHTS
+                                 if isinstance(w := getattr(layer, name), (jax.Array, LinearLayouts))})
+        for names in GEMM_GROUPS:  # one row reading `kn` reads each group in one gemv (`linears`)
+            ws = [getattr(layer, name) for name in names]
+            if all(isinstance(w, LinearLayouts) for w in ws):
+                group = jnp.concatenate([w.kn for w in ws], axis=-1) if reads[0] == "kn" else None
+                layer = layer.replace(**{names[0]: dataclasses.replace(ws[0], group=group)})
+        return layer
 
     head = params.lm_head if isinstance(params.lm_head, LinearLayouts) else lm_head_weight(params)
     return params.replace(layers=_map_layers(all_layouts, params.layers), lm_head=_with_reads(head, reads))

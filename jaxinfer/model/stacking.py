@@ -20,7 +20,7 @@ import jax
 from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.plan import KVCacheArg, resolve_kv_cache
-from jaxinfer.model.params import LayerParams, MLALayerParams, ModelParams, gemm_weights, lm_head_weight
+from jaxinfer.model.params import GEMM_GROUPS, LayerParams, MLALayerParams, ModelParams, gemm_weights, lm_head_weight
 
 LAYER_LOOPS = ("auto", "scan", "unroll")
 WEIGHT_LAYOUTS = ("auto", "one", "all")
@@ -39,7 +39,8 @@ def resolve_layer_loop(layer_loop: str, backend: str | None = None) -> str:
 
 def resolve_weight_layouts(weight_layouts: str, params, mesh=None, backend: str | None = None) -> str:
     """"auto" -> "all" (`jaxinfer.model.params.with_gemm_weights`) on one XLA:CPU device when
-    the two extra copies of the dense layers' weights and the LM head take at most 2 GiB; "one" otherwise
+    the two extra copies of the dense layers' weights and the LM head (and the grouped copies
+    of q/k/v and gate/up) take at most 2 GiB; "one" otherwise
     (GPU/TPU GEMMs read the checkpoint's layout at full speed)."""
     if weight_layouts not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layouts={weight_layouts!r} must be one of {WEIGHT_LAYOUTS}")
@@ -47,9 +48,10 @@ def resolve_weight_layouts(weight_layouts: str, params, mesh=None, backend: str 
         return weight_layouts
     if mesh is not None or (backend or jax.default_backend()) != "cpu":
         return "one"
-    copied = lm_head_weight(params).nbytes + sum(
-        w.nbytes for x in jax.tree.leaves(params.layers, is_leaf=_is_layer) for w in gemm_weights(x).values())
-    return "all" if 2 * copied <= AUTO_COPIES_LIMIT else "one"
+    dense = [gemm_weights(x) for x in jax.tree.leaves(params.layers, is_leaf=_is_layer)]
+    copied = lm_head_weight(params).nbytes + sum(w.nbytes for ws in dense for w in ws.values())
+    grouped = sum(ws[name].nbytes for ws in dense for names in GEMM_GROUPS for name in names if name in ws)
+    return "all" if 2 * copied + grouped <= AUTO_COPIES_LIMIT else "one"
 
 
 def _is_layer(x) -> bool:
