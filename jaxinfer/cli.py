@@ -397,8 +397,9 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
     misplaced = ["--" + name.replace("_", "-") for name in own[other] if getattr(args, name) is not None]
     if misplaced:
         raise ValueError(f"{', '.join(misplaced)} only apply to --kind {other} (this is --kind {args.kind})")
-    given.update({name: getattr(args, name) for name in own[args.kind] if getattr(args, name) is not None})
-    given.pop("sequences", None)
+    # --sequences is train_eagle's argument, not a config field
+    given.update({name: getattr(args, name) for name in own[args.kind]
+                  if name != "sequences" and getattr(args, name) is not None})
     if args.kind == "eagle":
         from jaxinfer.speculative.eagle import save_eagle_head
         from jaxinfer.speculative.train.eagle import EagleTrainingConfig, train_eagle

@@ -146,7 +146,7 @@ def linears(x: jax.Array, ws: tuple[jax.Array | LinearLayouts, ...],
         return [linear(x, w, b) for w, b in zip(ws, bs)]
     nks = [w.nk if isinstance(w, LinearLayouts) else w for w in ws]
     b = None if all(b is None for b in bs) else jnp.concatenate(
-        [jnp.zeros(w.shape[0], w.dtype) if b is None else b for w, b in zip(nks, bs)])
+        [jnp.zeros(w.shape[-2], w.dtype) if b is None else b for w, b in zip(nks, bs)])
     if grouped:
         y = jnp.matmul(x.reshape(1, -1), ws[0].group).reshape(*x.shape[:-1], -1)
         y = y if b is None else y + b

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.layer_stack import unstack
 from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, swiglu_mlp
-from jaxinfer.model.params import LayerParams, ModelParams
+from jaxinfer.model.params import LayerParams, ModelParams, lm_head_weight
 
 
 def causal_mask(t: int, window: int | None) -> jax.Array:
@@ -76,5 +76,5 @@ def dense_hidden(params: ModelParams, config: ModelConfig, tokens: jax.Array) ->
 
 def dense_logits(params: ModelParams, config: ModelConfig, tokens: jax.Array) -> jax.Array:
     """tokens i32[B, T] -> logits f32[B, T, V] (V = the head's rows: a draft's subset)."""
-    head = params.embed if params.lm_head is None else params.lm_head  # [V, D]
+    head = lm_head_weight(params)  # [V, D]
     return jnp.einsum("btd,vd->btv", dense_hidden(params, config, tokens), head, preferred_element_type=jnp.float32)
