@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
-    srv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model or 'default')")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model name(s) clients send; the first is listed first (default: --model or 'default')")
     srv.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
     _add_attention_flag(srv)
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
@@ -359,7 +360,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"process {jax.process_index()}: following process 0's engine", file=sys.stderr, flush=True)
         Engine(model, config).follow()
         return
-    name = args.served_model_name or args.model or "default"
+    name = args.served_model_name or [args.model or "default"]
     print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue)
     serve(server, args.host, args.port, grace_s=args.grace_period)

@@ -129,10 +129,12 @@ def test_tokenize_and_detokenize(srv, model):
     assert chat["token_strs"] is None
     back = httpx.post(f"{srv.url}/detokenize", json={"model": NAME, "tokens": r["tokens"]}).json()
     assert back == {"prompt": tok.decode(r["tokens"])}
-    for path, body, param in [("/tokenize", {"model": NAME}, "prompt"), ("/tokenize", {"model": "gpt-9", "prompt": "x"}, "model"),
-                              ("/detokenize", {"tokens": [10**7]}, "tokens"), ("/detokenize", {"tokens": "abc"}, "tokens")]:
+    for path, body, param in [("/tokenize", {"model": NAME}, "prompt"), ("/detokenize", {"tokens": [10**7]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")]:
         err = httpx.post(f"{srv.url}{path}", json=body)
         assert err.status_code == 400 and err.json()["error"]["param"] == param, (path, body, err.text)
+    err = httpx.post(f"{srv.url}/tokenize", json={"model": "gpt-9", "prompt": "x"})
+    assert err.status_code == 404 and err.json()["error"]["code"] == "model_not_found"
 
 
 def test_completion_greedy_equals_engine(srv, client, model):
@@ -194,10 +196,8 @@ def test_seed_n_stop(client):
 
 BAD = [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, None, "/v1/completions"),
-    ({"json": {"prompt": "x"}}, "model", "/v1/completions"),
     ({"json": {"model": NAME}}, "prompt", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "max_tokens": "many"}}, "max_tokens", "/v1/completions"),
-    ({"json": {"model": "gpt-9", "prompt": "x"}}, "model", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "top_p": 1.5}}, "top_p", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "temperature": -1}}, "temperature", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "max_tokens": 0}}, "max_tokens", "/v1/completions"),
@@ -236,6 +236,128 @@ BAD = [
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
 ]
+
+
+def test_model_names(srv, client, model):
+    """The model may be left out (vLLM's leniency: the served one); an unknown one is a 404
+    `model_not_found` for every endpoint, as OpenAI and vLLM answer it; several served names."""
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0}, timeout=T)
+    assert r.status_code == 200 and r.json()["model"] == NAME
+    for path, body in [("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})]:
+        err = httpx.post(f"{srv.url}{path}", json=body | {"model": "gpt-9"}, timeout=T)
+        assert err.status_code == 404, err.text
+        assert err.json()["error"] | {"message": None} == {"message": None, "type": "invalid_request_error",
+                                                           "param": "model", "code": "model_not_found"}
+    two = ServerThread(build_server(model, ENGINE, [NAME, "alias"], max_queue=4, warmup=False))
+    try:
+        assert [m["id"] for m in httpx.get(f"{two.url}/v1/models").json()["data"]] == [NAME, "alias"]
+        r = httpx.post(f"{two.url}/v1/completions", json={"model": "alias", "prompt": "Hi", "max_tokens": 1}, timeout=T)
+        assert r.status_code == 200 and r.json()["model"] == "alias"
+    finally:
+        two.stop()
+
+
+def test_batch_of_prompts(srv, client, model):
+    """A completion request with a list of prompts (texts or token-id lists): choice
+    p * n + j is prompt p's j-th choice, each equal to the engine's answer to that prompt
+    alone; usage counts every prompt once; one bad prompt refuses the whole batch."""
+    tok = model.tokenizer
+    texts = ["The quick brown fox", "Once upon", "A"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [engine_text(model, tok.encode(t), params) for t in texts]
+    kw = dict(model=NAME, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=texts, n=2, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [w for w in want for _ in range(2)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (sum(len(tok.encode(t)) for t in texts), 36)
+    by_ids = client.completions.create(prompt=[tok.encode(t) for t in texts], **kw)
+    assert [c.text for c in by_ids.choices] == want
+    streamed = [""] * 3
+    for c in client.completions.create(prompt=texts, stream=True, **kw):
+        streamed[c.choices[0].index] += c.choices[0].text
+    assert streamed == want
+    echo = client.completions.create(prompt=texts[:2], echo=True, **kw)
+    assert [c.text for c in echo.choices] == [texts[0] + want[0], texts[1] + want[1]]
+    ids = [tok.encode(t) for t in texts[:2]]
+    echo = client.completions.create(prompt=ids, echo=True, **kw)  # the ids' text, special tokens included
+    assert [c.text for c in echo.choices] == [tok.decode(i, skip_special_tokens=False) + w for i, w in zip(ids, want)]
+    more_than_held = ["x"] * (ENGINE.max_slots + 256 + 1)  # srv: max_queue 256; no retry could serve it (not a 429)
+    for bad in (["fine", ""], ["fine", "word " * MAX_LEN], [[1, 2], [10**6]], more_than_held):
+        err = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": bad, "max_tokens": 2}, timeout=T)
+        assert err.status_code == 400 and err.json()["error"]["param"] == "prompt", (bad, err.text)
+    srv.wait_idle()
+
+
+UNIT = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "set_unit", "description": "Pick a unit", "parameters": UNIT}},
+         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
+                                                                           "additionalProperties": False}}}]
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], str | None]:
+    """Tool calls reassembled from streamed deltas (as OpenAI clients do), and the finish reason."""
+    calls, finish = {}, None
+    for c in stream:
+        for t in c.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(t.index, {"name": None, "arguments": ""})
+            call["name"] = t.function.name or call["name"]
+            call["arguments"] += t.function.arguments or ""
+        finish = c.choices[0].finish_reason or finish
+    return calls, finish
+
+
+def client_text(srv, ids: list[int]) -> str:
+    return httpx.post(f"{srv.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def test_tool_calls(srv, client):
+    """tool_choice naming a function or "required": the answer is constrained to a call of
+    the listed tools and comes back as `tool_calls` (streamed as deltas); "auto" and tools
+    that cannot be served are a 400 naming the field; a conversation holding earlier calls
+    and a tool's answer renders."""
+    messages = [{"role": "user", "content": "Which unit?"}]
+    kw = dict(model=NAME, messages=messages, tools=TOOLS, max_tokens=18, temperature=0)  # the context is 64
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    r = client.chat.completions.create(tool_choice=named, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "set_unit"
+    assert json.loads(call.function.arguments) in ({"unit": "c"}, {"unit": "f"})
+    calls, finish = _streamed_calls(client.chat.completions.create(tool_choice=named, stream=True, **kw))
+    assert calls == {0: {"name": "set_unit", "arguments": call.function.arguments}} and finish == "stop"
+
+    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) in (
+        [("set_unit", {"unit": u}) for u in "cf"] + [("ping", {})])
+    calls, finish = _streamed_calls(client.chat.completions.create(tool_choice="required", parallel_tool_calls=False,
+                                                                   stream=True, **kw))
+    assert calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+    assert finish == "tool_calls"
+
+    text = client.chat.completions.create(tool_choice="none", **kw)
+    assert text.choices[0].message.tool_calls is None and text.choices[0].finish_reason in ("stop", "length")
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                               "function": {"name": "set_unit", "arguments": '{"unit":"c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    r = client.chat.completions.create(**(kw | {"messages": history, "tool_choice": "none", "max_tokens": 2}))
+    rendered = httpx.post(f"{srv.url}/tokenize", json={"messages": history}).json()
+    assert r.usage.prompt_tokens == rendered["count"] and "done" in client_text(srv, rendered["tokens"])
+
+    for body, param in [({"tools": TOOLS}, "tool_choice"),  # "auto", OpenAI's default with tools
+                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
+                        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+                        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice")]:
+        err = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": NAME, "messages": messages} | body, timeout=T)
+        assert err.status_code == 400 and err.json()["error"]["param"] == param, (body, err.text)
 
 
 def test_errors_have_openai_shape_and_disturb_nothing(srv, model):

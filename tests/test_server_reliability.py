@@ -258,7 +258,7 @@ UNICODE_CASES = [  # (body, status, param)
     (chat("high \ud83d alone"), 400, "messages"),
     (chat([{"type": "text", "text": "\udfff"}]), 400, "messages"),
     (chat([{"type": "text", "text": 5}]), 400, "messages.0.content"),
-    (completion("x") | {"model": "\ud800"}, 400, "model"),
+    (completion("x") | {"model": "\ud800"}, 404, "model"),
     (completion(ODD_TEXT, max_tokens=2), 200, None),
     (chat(ODD_TEXT, max_tokens=2), 200, None),
     (completion("salted", max_tokens=2, user="\ud800", stop=["\udc00"]), 200, None),
@@ -275,7 +275,7 @@ def test_text_input_never_causes_a_5xx_and_the_connection_stays_open(srv):
         r = conn.getresponse()
         data = json.loads(r.read())
         assert r.status == status, (body, data)
-        if status == 400:
+        if status in (400, 404):
             assert data["error"]["type"] == "invalid_request_error" and data["error"]["param"].startswith(param), data
         assert not r.will_close and conn.sock is first_socket  # the same connection serves the next one
     conn.close()
@@ -285,7 +285,7 @@ def test_an_unexpected_error_is_an_openai_500_naming_the_logged_request_id(srv, 
     def broken(body):
         raise RuntimeError("planted bug")
 
-    monkeypatch.setattr(srv.server, "completion_ids", broken)
+    monkeypatch.setattr(srv.server, "completion_prompts", broken)
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=T)
     with caplog.at_level(logging.ERROR, logger="jaxinfer.server.app"):
         conn.request("POST", "/v1/completions", body=encode(completion("x")), headers={"content-type": "application/json"})

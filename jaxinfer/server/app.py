@@ -18,7 +18,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -32,6 +32,7 @@ from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_lo
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
+from jaxinfer.server.tools import parse_calls, tool_call
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -42,47 +43,66 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServer:
-    """State the handlers share: the engine loop, the tokenizer and the served model name."""
+    """State the handlers share: the engine loop, the tokenizer and the served model names
+    (the first is the one `/v1/models` lists first and responses to requests naming none carry)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str, api_key: str | None = None):
+    def __init__(self, loop: EngineLoop, model_name: str | Sequence[str], api_key: str | None = None):
         self.loop = loop
-        self.model_name = model_name
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        if not self.model_names:
+            raise ValueError("an OpenAIServer needs at least one served model name")
         self.api_key = api_key
         self.tokenizer = loop.engine.model.tokenizer
         self.max_model_len = loop.engine.max_model_len
 
     # ---- validation and tokenization ----------------------------------------------------------
 
-    def check_model(self, body: _Common) -> None:
-        if body.model != self.model_name:
-            raise ErrorBody(400, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                            param="model", code="model_not_found")
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
-    def completion_ids(self, body: CompletionRequest) -> list[int]:
+    def check_model(self, body: _Common | TokenizeRequest | DetokenizeRequest) -> str:
+        """The served name a request asked for (the first when it names none, as vLLM allows);
+        an unknown name is a 404 `model_not_found`, as OpenAI and vLLM answer it."""
+        if body.model is None:
+            return self.model_name
+        if body.model not in self.model_names:
+            served = ", ".join(map(repr, self.model_names))
+            raise ErrorBody(404, f"model {body.model!r} does not exist; this server serves {served}",
+                            param="model", code="model_not_found")
+        return body.model
+
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """Each prompt of a completion request as (its text as sent, or None for token ids; its
+        ids). `prompt` is one text, one list of ids, or a batch of either (OpenAI's forms)."""
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ErrorBody(400, f"prompt: a list of {len(prompt)} prompts is not supported; send one", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self._tokenize("prompt", lambda tok: tok.encode(prompt))
-        else:
-            ids = list(prompt)
-        return self._check_length(ids, "prompt")
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if len(batch) * body.n > self.loop.max_outstanding:  # more than the server ever holds: no retry helps
+            raise ErrorBody(400, f"prompt: a batch of {len(batch)} prompts x n={body.n} choices; this server holds at "
+                                 f"most {self.loop.max_outstanding} requests", param="prompt")
+        prompts = []
+        for one in batch:
+            if isinstance(one, str):
+                prompts.append((one, self._check_length(self._tokenize("prompt", lambda tok: tok.encode(one)), "prompt")))
+            else:
+                prompts.append((None, self._check_length(list(one), "prompt")))
+        return prompts
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        return self._check_length(self.messages_ids(body.messages), "messages")
+        return self._check_length(self.messages_ids(body.messages, tools=body.template_tools()), "messages")
 
-    def messages_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of `messages` rendered with the chat template."""
-        turns = [{"role": m.role, "content": m.text()} for m in messages]
+    def messages_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     tools: list[dict] | None = None) -> list[int]:
+        """The token ids of `messages` (and `tools`, for templates that show them) rendered
+        with the chat template."""
+        turns = [m.template_fields() for m in messages]
+        extra = {} if tools is None else {"tools": tools}
         return self._tokenize("messages", lambda tok: tok.encode(
-            tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt), add_special_tokens=False))
+            tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, **extra), add_special_tokens=False))
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         """`POST /tokenize` (vLLM's): the ids a prompt or chat would be served with."""
-        if body.model is not None:
-            self.check_model(body)
+        self.check_model(body)
         if (body.prompt is None) == (body.messages is None):
             raise ErrorBody(400, "send exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
@@ -94,8 +114,7 @@ class OpenAIServer:
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
         """`POST /detokenize` (vLLM's): the text of token ids."""
-        if body.model is not None:
-            self.check_model(body)
+        self.check_model(body)
         return {"prompt": self._tokenize("tokens", lambda tok: tok.decode(body.tokens))}
 
     def _tokenize(self, param: str, encode: Callable[[Any], T]) -> T:
@@ -154,10 +173,11 @@ class OpenAIServer:
 
     # ---- running a request ----------------------------------------------------------------------
 
-    async def submit(self, ids: list[int], params, salt: str | None) -> tuple[Sink, list[str]]:
+    async def submit(self, prompts: list[list[int]], params, salt: str | None) -> tuple[Sink, list[str]]:
+        """Start choice i as `prompts[i]` sampled with `params[i]` (all or none)."""
         sink = Sink(asyncio.get_running_loop())
         try:
-            rids = self.loop.submit(ids, params, salt, sink)
+            rids = self.loop.submit(prompts, params, salt, sink)
         except QueueFull as e:
             self.loop.stats.reject("queue_full")
             raise ErrorBody(429, f"server busy: {e}; retry later", code="queue_full", err_type="rate_limit_error",
@@ -220,25 +240,31 @@ def _field_of(message: str) -> str | None:
 
 
 async def completions(server: OpenAIServer, raw: Request, body: CompletionRequest):
-    server.check_model(body)
-    ids = server.completion_ids(body)
-    params = server.params(body, ids, default_max_tokens=16)
-    wants_logprobs = body.num_logprobs is not None
-    # echo: each choice's text starts with the prompt (its text as sent, or the ids decoded)
-    echoed = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else (
-        body.prompt[0] if isinstance(body.prompt[0], str) else server.tokenizer.decode(ids) if server.tokenizer else "")
-    echo_lp = await asyncio.to_thread(server.prompt_logprobs, ids, body.num_logprobs) if body.echo and wants_logprobs else None
-    if not params:  # max_tokens 0 with echo: the prompt (and its logprobs), nothing generated
-        return _echo_only(server, body, ids, echoed, echo_lp)
-    sink, rids = await server.submit(ids, params, body.salt)
+    model = server.check_model(body)
+    prompts = server.completion_prompts(body)
+    params = [server.params(body, ids, default_max_tokens=16) for _, ids in prompts]
+    n, wants_logprobs = body.n, body.num_logprobs is not None
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    # echo: each choice's text starts with its prompt (the text as sent, or the ids decoded,
+    # special tokens included, as the echoed logprobs list them); choice i answers prompt
+    # i // n, as OpenAI numbers the choices of a batch
+    echoed = [("" if not body.echo else text if text is not None else
+               server.tokenizer.decode(ids, skip_special_tokens=False) if server.tokenizer else "")
+              for text, ids in prompts]
+    echo_lps = [None] * len(prompts)
+    if body.echo and wants_logprobs:
+        echo_lps = [await asyncio.to_thread(server.prompt_logprobs, ids, body.num_logprobs) for _, ids in prompts]
+    if not params[0]:  # max_tokens 0 with echo: the prompts (and their logprobs), nothing generated
+        return _echo_only(body, model, echoed, echo_lps, prompt_tokens)
+    sink, rids = await server.submit([ids for _, ids in prompts for _ in range(n)], [p for ps in params for p in ps],
+                                     body.salt)
     rid, created = new_id("cmpl"), now()
 
     def chunk(choices, use=None):
-        d = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name, "choices": choices}
+        d = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
         if body.include_usage:
             d["usage"] = use
         return d
-
 
     def logprobs(out, offset=0, new_only=True):
         if not wants_logprobs:
@@ -247,10 +273,12 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
 
     if body.stream:
         async def stream():
-            generated, offsets = 0, [len(echoed)] * len(rids)  # the generated text's offsets follow the prompt's
+            # the generated text's offsets follow the prompt's
+            generated, offsets = 0, [len(echoed[i // n]) for i in range(len(rids))]
             if body.echo:
                 for i in range(len(rids)):
-                    yield _sse(chunk([{"index": i, "text": echoed, "logprobs": echo_lp, "finish_reason": None}]))
+                    yield _sse(chunk([{"index": i, "text": echoed[i // n], "logprobs": echo_lps[i // n],
+                                       "finish_reason": None}]))
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
                 if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
@@ -258,42 +286,45 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
                     yield _sse(chunk([{"index": index, "text": out.delta_text, "logprobs": lp,
                                        "finish_reason": out.finish_reason if out.finished else None}]))
             if body.include_usage:
-                yield _sse(chunk([], usage(len(ids), generated)))
+                yield _sse(chunk([], usage(prompt_tokens, generated)))
             yield DONE
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
     finals = await _collect(server, raw, sink, rids)
-    choices = [{"index": i, "text": echoed + o.text, "finish_reason": o.finish_reason,
-                "logprobs": join_logprobs(echo_lp, logprobs(o, len(echoed), new_only=False)[0])} for i, o in finals]
-    return {"id": rid, "object": "text_completion", "created": created, "model": server.model_name,
-            "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
+    choices = [{"index": i, "text": echoed[i // n] + o.text, "finish_reason": o.finish_reason,
+                "logprobs": join_logprobs(echo_lps[i // n], logprobs(o, len(echoed[i // n]), new_only=False)[0])}
+               for i, o in finals]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, sum(len(o.token_ids) for _, o in finals))}
 
 
-def _echo_only(server: OpenAIServer, body: CompletionRequest, ids: list[int], echoed: str, echo_lp: dict | None):
-    """`max_tokens: 0` with `echo`: the prompt scored, nothing generated (how evaluation
+def _echo_only(body: CompletionRequest, model: str, echoed: list[str], echo_lps: list[dict | None],
+               prompt_tokens: int):
+    """`max_tokens: 0` with `echo`: the prompts scored, nothing generated (how evaluation
     harnesses ask for a text's loglikelihood)."""
-    choices = [{"index": i, "text": echoed, "logprobs": echo_lp, "finish_reason": "length"} for i in range(body.n)]
-    d = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": server.model_name}
+    choices = [{"index": i, "text": echoed[i // body.n], "logprobs": echo_lps[i // body.n], "finish_reason": "length"}
+               for i in range(len(echoed) * body.n)]
+    d = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model}
     if not body.stream:
-        return d | {"choices": choices, "usage": usage(len(ids), 0)}
+        return d | {"choices": choices, "usage": usage(prompt_tokens, 0)}
 
     async def stream():
         yield _sse(d | {"choices": choices} | ({"usage": None} if body.include_usage else {}))
         if body.include_usage:
-            yield _sse(d | {"choices": [], "usage": usage(len(ids), 0)})
+            yield _sse(d | {"choices": [], "usage": usage(prompt_tokens, 0)})
         yield DONE
     return StreamingResponse(stream(), media_type="text/event-stream")
 
 
 async def chat_completions(server: OpenAIServer, raw: Request, body: ChatCompletionRequest):
-    server.check_model(body)
+    model = server.check_model(body)
     ids = server.chat_ids(body)
     params = server.params(body, ids, default_max_tokens=None)
-    sink, rids = await server.submit(ids, params, body.salt)
+    sink, rids = await server.submit([ids] * len(params), params, body.salt)
     rid, created = new_id("chatcmpl"), now()
 
     def chunk(choices, use=None):
-        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name,
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": choices}
         if body.include_usage:
             d["usage"] = use
@@ -302,29 +333,56 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     def logprobs(out, new_only=True):
         return chat_logprobs(server.tokenizer, *tokens_of(out, new_only)) if body.logprobs else None
 
+    choice = body.effective_tool_choice if body.calls_tools else None  # the answer is a constrained call
+
+    def finish(out, calls) -> str:
+        return "tool_calls" if choice == "required" and calls else out.finish_reason
+
     if body.stream:
         async def stream():
             for i in range(len(rids)):
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]))
-            generated = 0
+            generated, texts = 0, [""] * len(rids)
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
                 if out.delta_text or (body.logprobs and out.delta_token_ids):
-                    yield _sse(chunk([{"index": index, "delta": {"content": out.delta_text}, "logprobs": logprobs(out),
-                                       "finish_reason": None}]))
+                    delta = {"content": out.delta_text}
+                    if choice is not None and choice != "required":  # a named function: its arguments as they come
+                        first = not texts[index]
+                        call = (tool_call(choice.function.name, out.delta_text, index=0) if first else
+                                {"index": 0, "function": {"arguments": out.delta_text}})
+                        delta = {"tool_calls": [call]}
+                    texts[index] += out.delta_text
+                    if choice != "required":  # "required": the calls are sent whole once the array is complete
+                        yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out),
+                                           "finish_reason": None}]))
                 if out.finished:
+                    calls = parse_calls(texts[index], choice) if choice == "required" else None
+                    if choice == "required":
+                        delta = ({"tool_calls": [c | {"index": j} for j, c in enumerate(calls)]} if calls else
+                                 {"content": texts[index]})  # cut short: the text as it is
+                        yield _sse(chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
-                                       "finish_reason": out.finish_reason}]))
+                                       "finish_reason": finish(out, calls)}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
             yield DONE
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
+    def message(out) -> tuple[dict, list | None]:
+        calls = parse_calls(out.text, choice) if choice is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": out.text}, None
+        return {"role": "assistant", "content": None, "tool_calls": calls}, calls
+
     finals = await _collect(server, raw, sink, rids)
-    choices = [{"index": i, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs(o, new_only=False),
-                "finish_reason": o.finish_reason} for i, o in finals]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name,
+    choices = []
+    for i, o in finals:
+        msg, calls = message(o)
+        choices.append({"index": i, "message": msg, "logprobs": logprobs(o, new_only=False),
+                        "finish_reason": finish(o, calls)})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
 
 
@@ -397,9 +455,8 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxinfer",
-                "max_model_len": server.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "jaxinfer",
+                                            "max_model_len": server.max_model_len} for name in server.model_names]}
 
     @app.post("/tokenize")
     async def post_tokenize(body: TokenizeRequest):

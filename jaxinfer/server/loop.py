@@ -57,7 +57,7 @@ class Sink:
 @dataclasses.dataclass(frozen=True)
 class _Add:
     ids: tuple[str, ...]
-    prompt: list[int]
+    prompts: tuple[list[int], ...]  # choice i's prompt (a batch of prompts, n choices each)
     params: tuple[SamplingParams, ...]
     cache_salt: str | None
     sink: Sink
@@ -103,9 +103,13 @@ class EngineLoop:
     def outstanding(self) -> int:
         return self._outstanding
 
-    def submit(self, prompt: list[int], params: Sequence[SamplingParams], cache_salt: str | None, sink: Sink) -> list[str]:
-        """Queue one request per `params` (the n choices of one prompt); raises QueueFull.
-        The sink then receives ("accepted", ids) or ("error", ValueError) first."""
+    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], cache_salt: str | None,
+               sink: Sink) -> list[str]:
+        """Queue one request per (prompt, params) pair (the choices of one HTTP request: n per
+        prompt of a batch), all or none; raises QueueFull. The sink then receives
+        ("accepted", ids) or ("invalid", ValueError) first; later events carry the choice's index."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts for {len(params)} sampling params")
         n = len(params)
         with self._lock:
             if self._stopping.is_set() or self._outstanding + n > self.max_outstanding:
@@ -113,7 +117,7 @@ class EngineLoop:
             self._outstanding += n
         base = f"srv-{next(self._ids)}"
         ids = tuple(f"{base}-{i}" for i in range(n))
-        self._cmds.put(_Add(ids, prompt, tuple(params), cache_salt, sink))
+        self._cmds.put(_Add(ids, tuple(prompts), tuple(params), cache_salt, sink))
         return list(ids)
 
     def abort(self, ids: Sequence[str]) -> None:
@@ -157,8 +161,8 @@ class EngineLoop:
     def _add(self, cmd: _Add) -> None:
         added = []
         try:
-            for rid, params in zip(cmd.ids, cmd.params):
-                self.engine.add_request(cmd.prompt, params, request_id=rid, cache_salt=cmd.cache_salt)
+            for rid, prompt, params in zip(cmd.ids, cmd.prompts, cmd.params):
+                self.engine.add_request(prompt, params, request_id=rid, cache_salt=cmd.cache_salt)
                 added.append(rid)
         except Exception as e:
             for rid in added:
@@ -175,7 +179,7 @@ class EngineLoop:
         for i, rid in enumerate(cmd.ids):
             self._live[rid] = _Live(cmd.sink, i)
         with self.stats.lock:
-            self.stats.prompt_tokens += len(cmd.prompt) * len(cmd.ids)
+            self.stats.prompt_tokens += sum(map(len, cmd.prompts))
         cmd.sink.put(("accepted", cmd.ids))
 
     def _abort(self, rid: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
+from jaxinfer.server.tools import check_tools, constraint, template_message
 from jaxinfer.structured_output import StructuredOutputsParams
 
 
@@ -55,7 +56,7 @@ class ResponseFormat(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # optional, as vLLM has it: the served model
     max_tokens: int | None = Field(None, ge=0)  # 0: only with completions' echo (score the prompt)
     min_tokens: int = Field(0, ge=0)  # extra (vLLM's): no EOS / stop before this many tokens
     temperature: float = 1.0
@@ -107,7 +108,7 @@ class _Common(BaseModel):
     def structured(self) -> StructuredOutputsParams | None:
         """What the output must match, from whichever field asked (at most one may), its
         grammar checked; a ValueError names the field."""
-        asked: list[tuple[str, dict[str, Any]]] = []
+        asked = self._tool_constraint()
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             asked.append(("response_format", {"json_object": True}))
@@ -134,6 +135,10 @@ class _Common(BaseModel):
             raise ValueError(message if message.startswith(field) else f"{field}: {message}") from None
         return params
 
+    def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
+        """(field, structured-output fields) a tool choice asks for: chat only."""
+        return []
+
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI sends token ids as JSON object keys (strings)."""
         try:
@@ -152,7 +157,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch (n choices each)
     echo: bool = False
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle
     best_of: int | None = Field(None, ge=1)  # refused above 1 (as vLLM's v1 engine does)
@@ -177,6 +182,14 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
+
+    def template_fields(self) -> dict[str, Any]:
+        """The message as the chat template reads it (`jaxinfer.server.tools.template_message`)."""
+        extra = {key: value for key in ("tool_calls", "tool_call_id", "name") if (value := getattr(self, key)) is not None}
+        return template_message({"role": self.role, "content": self.text()} | extra)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -184,11 +197,60 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content if part.type == "text")
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # constrained calls always follow the schema
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs=true
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # OpenAI: "auto" if tools
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice | None:
+        """OpenAI's default: "auto" when tools are sent, else none."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else None
+        return self.tool_choice
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is constrained to tool calls (a named function or "required")."""
+        return bool(self.tools) and self.effective_tool_choice not in (None, "none", "auto")
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """`tools` as chat templates read them (templates without tool support ignore them)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
+        check_tools(self.tools, self.effective_tool_choice)
+        fields = constraint(self.tools, self.effective_tool_choice, self.parallel_tool_calls)
+        return [] if fields is None else [("tool_choice", fields)]
 
     @property
     def num_logprobs(self) -> int | None:

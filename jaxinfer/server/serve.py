@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Sequence
 
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import Model
@@ -11,8 +12,8 @@ from jaxinfer.server.app import OpenAIServer, create_app
 from jaxinfer.server.loop import EngineLoop
 
 
-def build_server(model: Model, engine_config: EngineConfig, model_name: str, api_key: str | None = None,
-                 max_queue: int = 256, warmup: bool = True) -> OpenAIServer:
+def build_server(model: Model, engine_config: EngineConfig, model_name: str | Sequence[str],
+                 api_key: str | None = None, max_queue: int = 256, warmup: bool = True) -> OpenAIServer:
     """An engine behind an `OpenAIServer`. At most `max_slots + max_queue` requests are
     outstanding; more are answered 429. With `warmup` the engine compiles its programs in the
     background (`Engine.start_warmup`): the server answers at once, `/health` says 503
@@ -34,7 +35,7 @@ def serve(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, grace
 
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=grace_s)
-    print(f"serving {server.model_name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    print(f"serving {', '.join(map(repr, server.model_names))} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: with
     # the default one the process would die with status -15 after a clean shutdown.
     previous = signal.signal(signal.SIGTERM, _exit_after_drain)
