@@ -264,7 +264,8 @@ class Tokenizer:
     # --- chat template -----------------------------------------------------------------------
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any
     ) -> str:
         """Render `messages` with the model's chat template (to be passed to `encode`).
 
@@ -272,8 +273,13 @@ class Tokenizer:
         through). Rendering matches transformers' `apply_chat_template(..., tokenize=False)`:
         a sandboxed jinja2 environment with `trim_blocks`/`lstrip_blocks`, the globals
         `raise_exception` and `strftime_now`, a `tojson` filter, and `bos_token`/`eos_token`.
-        Extra keyword arguments (e.g. `tools=...`) become template variables.
+        With `continue_final_message` the text ends right after the last message's content
+        (no end-of-turn), so generation continues it (a prefilled assistant answer), as in
+        transformers. Extra keyword arguments (e.g. `tools=...`) become template variables.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: continue the last "
+                             "message, or open a new assistant turn")
         if self.chat_template is None:
             raise ValueError(
                 "this model has no chat template; encode a plain prompt instead, or use a model "
@@ -286,11 +292,20 @@ class Tokenizer:
         import jinja2
 
         try:
-            return self._compiled_template.render(
+            text = self._compiled_template.render(
                 messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed to render: {e}") from e
+        if continue_final_message:  # as transformers cuts it
+            final = messages[-1]["content"]
+            if not final.strip() or final.strip() not in text:
+                raise ValueError("continue_final_message: the last message's content is empty or the chat template "
+                                 "does not render it verbatim")
+            at = text.rindex(final.strip())
+            kept = final.lstrip()  # its trailing spaces too, where the template kept them
+            text = text[: at + (len(kept) if text[at: at + len(kept)] == kept else len(final.strip()))]
+        return text
 
 
 def _check_unicode(text: str) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import openai
 import pytest
 
+import jaxinfer
 from jaxinfer.checkpoint import save_orbax
 from jaxinfer.speculative import DraftModel
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
@@ -115,6 +116,31 @@ def engine_text(model, ids, params) -> str:
 def test_health_and_models(srv, client):
     assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    assert httpx.get(f"{srv.url}/version").json() == {"version": jaxinfer.__version__}
+
+
+def test_continue_final_message(srv, client, model):
+    """vLLM's chat extras: `continue_final_message` continues a prefilled assistant answer
+    (rendered as transformers cuts it, no turn opened), equal to the engine's greedy answer to
+    that text; `/tokenize` renders the same; `chat_template_kwargs` reach the template."""
+    tok = model.tokenizer
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True),
+                     add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\nMy favourite is")
+    want = engine_text(model, ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    extra = {"continue_final_message": True, "ignore_eos": True, "chat_template_kwargs": {"unused_flag": True}}
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, extra_body=extra)
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    rendered = httpx.post(f"{srv.url}/tokenize", json={"messages": messages, "continue_final_message": True}).json()
+    assert rendered["tokens"] == ids
+    for body, param in [({"continue_final_message": True, "add_generation_prompt": True}, "messages"),
+                        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")]:
+        err = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": NAME, "messages": messages} | body, timeout=T)
+        assert err.status_code == 400 and err.json()["error"]["param"] == param, (body, err.text)
 
 
 def test_tokenize_and_detokenize(srv, model):

@@ -357,6 +357,13 @@ def test_tokenizer_json_chat_template_matches_transformers(tiny: Tokenizer, tiny
         ours = tiny.apply_chat_template(CHAT, add_generation_prompt=gen)
         assert ours == tiny_hf.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=gen)
     assert ours.startswith("<|bos|><|im_start|>system\n")
+    for final in ("The answer is", "The answer is ", " padded "):  # trailing spaces: kept where the template keeps them
+        prefilled = CHAT[:2] + [{"role": "assistant", "content": final}]
+        ours = tiny.apply_chat_template(prefilled, add_generation_prompt=False, continue_final_message=True)
+        assert ours == tiny_hf.apply_chat_template(prefilled, tokenize=False, continue_final_message=True)
+        assert ours.endswith(final.rstrip()) or ours.endswith(final)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tiny.apply_chat_template(CHAT, continue_final_message=True)  # and add_generation_prompt (its default)
 
 
 def test_tokenizer_json_dir_options(tmp_path: Path):

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jaxinfer import __version__
 from jaxinfer.scoring import score_tokens
 from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_logprobs, tokens_of
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
@@ -89,16 +90,16 @@ class OpenAIServer:
         return prompts
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        return self._check_length(self.messages_ids(body.messages, tools=body.template_tools()), "messages")
+        tools = body.template_tools()
+        options = body.template_options() | ({} if tools is None else {"tools": tools})
+        return self._check_length(self.messages_ids(body.messages, options), "messages")
 
-    def messages_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     tools: list[dict] | None = None) -> list[int]:
-        """The token ids of `messages` (and `tools`, for templates that show them) rendered
-        with the chat template."""
+    def messages_ids(self, messages: list[ChatMessage], options: dict[str, Any]) -> list[int]:
+        """The token ids of `messages` rendered with the chat template; `options` are
+        `apply_chat_template`'s keywords (`ChatTemplateOptions.template_options`, tools)."""
         turns = [m.template_fields() for m in messages]
-        extra = {} if tools is None else {"tools": tools}
-        return self._tokenize("messages", lambda tok: tok.encode(
-            tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, **extra), add_special_tokens=False))
+        return self._tokenize("messages", lambda tok: tok.encode(tok.apply_chat_template(turns, **options),
+                                                                 add_special_tokens=False))
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         """`POST /tokenize` (vLLM's): the ids a prompt or chat would be served with."""
@@ -108,7 +109,7 @@ class OpenAIServer:
         if body.prompt is not None:
             ids = self._tokenize("prompt", lambda tok: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         else:
-            ids = self.messages_ids(body.messages, body.add_generation_prompt)
+            ids = self.messages_ids(body.messages, body.template_options())
         strs = [self.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -453,10 +454,22 @@ def create_app(server: OpenAIServer) -> FastAPI:
         return PlainTextResponse(server.loop.stats.render(server.loop.snapshot, server.loop.outstanding),
                                  media_type="text/plain; version=0.0.4")
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "jaxinfer", "max_model_len": server.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "jaxinfer",
-                                            "max_model_len": server.max_model_len} for name in server.model_names]}
+        return {"object": "list", "data": [card(name) for name in server.model_names]}
+
+    @app.get("/v1/models/{name:path}")  # OpenAI's retrieve (`client.models.retrieve`); names may hold "/"
+    async def model(name: str):
+        if name not in server.model_names:
+            raise ErrorBody(404, f"model {name!r} does not exist", param="model", code="model_not_found")
+        return card(name)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.post("/tokenize")
     async def post_tokenize(body: TokenizeRequest):

@@ -197,6 +197,25 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content if part.type == "text")
 
 
+class ChatTemplateOptions(BaseModel):
+    """How messages are rendered (vLLM's extras): the assistant turn opened, or the last
+    message continued (a prefilled answer; then no turn is opened unless asked), and
+    variables the chat template reads (`chat_template_kwargs`, e.g. `enable_thinking`)."""
+
+    add_generation_prompt: bool | None = None  # default: True, False with continue_final_message
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools"}
+        if clash := reserved & set(self.chat_template_kwargs or {}):
+            raise ErrorBody(400, f"chat_template_kwargs: {sorted(clash)} have fields of their own",
+                            param="chat_template_kwargs")
+        opening = not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
+        return (self.chat_template_kwargs or {}) | {"add_generation_prompt": opening,
+                                                     "continue_final_message": self.continue_final_message}
+
+
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -222,7 +241,7 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ChatTemplateOptions, _Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -257,7 +276,7 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's `POST /tokenize`: a prompt, or chat messages rendered with the chat template."""
 
     model_config = ConfigDict(extra="ignore")
@@ -266,7 +285,6 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompt: BOS as the model wants it
-    add_generation_prompt: bool = True  # messages: end with the assistant's turn opening
     return_token_strs: bool = False
 
 
