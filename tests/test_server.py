@@ -339,9 +339,9 @@ def client_text(srv, ids: list[int]) -> str:
 
 def test_tool_calls(srv, client):
     """tool_choice naming a function or "required": the answer is constrained to a call of
-    the listed tools and comes back as `tool_calls` (streamed as deltas); "auto" and tools
-    that cannot be served are a 400 naming the field; a conversation holding earlier calls
-    and a tool's answer renders."""
+    the listed tools and comes back as `tool_calls` (streamed as deltas); tools that cannot
+    be served are a 400 naming the field; a conversation holding earlier calls
+    and a tool's answer renders. "auto" answers in text (no parser of free-form calls)."""
     messages = [{"role": "user", "content": "Which unit?"}]
     kw = dict(model=NAME, messages=messages, tools=TOOLS, max_tokens=18, temperature=0)  # the context is 64
     named = {"type": "function", "function": {"name": "set_unit"}}
@@ -375,8 +375,9 @@ def test_tool_calls(srv, client):
     rendered = httpx.post(f"{srv.url}/tokenize", json={"messages": history}).json()
     assert r.usage.prompt_tokens == rendered["count"] and "done" in client_text(srv, rendered["tokens"])
 
-    for body, param in [({"tools": TOOLS}, "tool_choice"),  # "auto", OpenAI's default with tools
-                        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    auto = client.chat.completions.create(**(kw | {"tool_choice": "auto"}))  # no parser: the answer is text
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content == text.choices[0].message.content
+    for body, param in [({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
                         ({"tool_choice": "required"}, "tool_choice"),
                         ({"tools": TOOLS + TOOLS[:1], "tool_choice": "required"}, "tools"),
                         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),

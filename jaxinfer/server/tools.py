@@ -3,9 +3,10 @@
 `tool_choice` names a function, or is "required": the output is constrained (structured
 output, `jaxinfer.structured_output`) to that function's arguments, or to a JSON array of
 `{"name", "parameters"}` calls of the listed tools, so every answer parses into `tool_calls`.
-"none" answers in text. "auto" (OpenAI's default when tools are sent) would need a parser of
-the model's own free-form call syntax, which differs per model family: it is refused with a
-message saying what to send instead.
+"none" answers in text, and so does "auto" (OpenAI's default when tools are sent): telling a
+call apart in free text needs a parser of each model family's own call syntax, which this
+server does not have (vLLM refuses "auto" without one; answering in text keeps clients that
+send tools by default working).
 """
 
 from __future__ import annotations
@@ -26,15 +27,10 @@ def check_tools(tools: list | None, tool_choice: Any) -> None:
     names = [t.function.name for t in tools or ()]
     if len(set(names)) != len(names):
         raise ValueError(f"tools: function names must be unique, got {names}")
-    if tool_choice is None or tool_choice == "none":
+    if tool_choice is None or tool_choice in ("none", "auto"):
         return
     if not tools:
         raise ValueError(f"tool_choice: {_show(tool_choice)} needs tools")
-    if tool_choice == "auto":
-        raise ValueError("tool_choice: 'auto' (the default when tools are sent) needs a parser of the model's own "
-                         "tool-call syntax, which this server does not have; send tool_choice 'required' or "
-                         "{'type': 'function', 'function': {'name': ...}} (the answer is then constrained to a call), "
-                         "or 'none'")
     if not isinstance(tool_choice, str) and tool_choice.function.name not in names:
         raise ValueError(f"tool_choice: function {tool_choice.function.name!r} is not among tools {names}")
 
