@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", help="a file with one prompt per line (added after PROMPTs)")
     _add_model_flags(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--system", default=None, help="a system message before each prompt (chat template)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--min-tokens", type=int, default=0, help="tokens generated before EOS or a stop may end it")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -263,12 +264,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty, structured_outputs=_structured(args))
     prompts = _read_prompts(args)
+    if args.system is not None and args.raw:
+        raise ValueError("--system is a chat message; --raw prompts skip the chat template")
     mesh = _mesh(args)
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len, mesh=mesh,  # checked before loading
                           attention_impl=args.attention_impl, speculative=_speculative(args),
                           async_scheduling=args.async_scheduling, compilation_cache=not args.no_compilation_cache)
     model = _load(args.model, args.dtype, mesh)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
+    if args.system is not None:
+        if not chat:
+            raise ValueError("--system needs a chat template, and this model has none")
+        # conversations: the engine renders them with the chat template
+        prompts = [[{"role": "system", "content": args.system}, {"role": "user", "content": p}] for p in prompts]
     engine = Engine(model, _fit_context(config, model))
     if engine.is_follower:  # a mesh over several processes: process 0 schedules and prints
         engine.follow()
@@ -283,7 +291,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
         else:
             outputs = engine.generate(prompts, params, chat=chat, progress=True)
             for i, out in enumerate(outputs):
-                print(f"=== [{i}] {prompts[i]!r} ({out.finish_reason})\n{out.text}")
+                shown = prompts[i] if isinstance(prompts[i], str) else prompts[i][-1]["content"]
+                print(f"=== [{i}] {shown!r} ({out.finish_reason})\n{out.text}")
     finally:
         engine.close()
     _report_speed(engine, time.perf_counter() - start)

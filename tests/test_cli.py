@@ -66,6 +66,7 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
                         (("--json-schema", str(tmp_path / "schema.json")), "schema.json"),
                         (("--async-scheduling", "--speculative", "ngram"), "async_scheduling"),
                         (("--speculative-disable-by-batch-size", "2"), "needs --speculative"),
+                        (("--raw", "--system", "Be brief."), "--system"),
                         (("--speculative", "eagle", "--speculative-disable-by-batch-size", "2"),
                          "disable_by_batch_size works with 'ngram' and 'self'")]:
         status, err = run_main(capsys, "generate", *args, "hi")

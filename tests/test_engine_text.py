@@ -93,6 +93,23 @@ def test_chat_prompts_use_the_template(eng, model):
     eng.abort("chat")
 
 
+def test_conversations_are_prompts(eng, model):
+    """A list of message dicts is a prompt rendered with the chat template (the assistant's turn
+    opened), with or without `chat`; answers equal those to its token ids. Lists of anything
+    else than ids or messages are refused by name, never cast."""
+    tok = model.tokenizer
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ids = tok.encode(tok.apply_chat_template(conversation), add_special_tokens=False)
+    by_messages, by_ids = eng.generate([conversation, ids], GREEDY)
+    assert by_messages.prompt_token_ids == ids and by_messages.token_ids == by_ids.token_ids
+    assert eng.generate([tuple(conversation)], GREEDY, chat=True)[0].token_ids == by_ids.token_ids
+    for bad, named in [([1, 2.5], "holding float 2.5"), ([[1, 2]], "holding list"), ({"role": "user"}, "got dict"),
+                       ([{"role": "user"}], "content")]:
+        with pytest.raises(ValueError, match=named):
+            eng.add_request(bad, GREEDY)
+    assert not eng.requests
+
+
 def test_generate_rejects_a_bad_batch_without_leaving_requests_behind(eng):
     with pytest.raises(ValueError, match="empty"):
         eng.generate([PROMPTS[0], ""], GREEDY)

@@ -23,7 +23,8 @@ import logging
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,9 @@ from jaxinfer.structured_output import GrammarCompiler, allow_all
 logger = logging.getLogger(__name__)
 
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
+
+# A request's prompt: a text, token ids, or a conversation (message dicts for the chat template)
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 # A step program: (context bucket width, with a prefill group, draft block width (0 = the plain
 # step), decode rows, with penalties)
@@ -275,9 +279,11 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
+    def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, cache_salt: str | None = None, chat: bool = False) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError naming the problem."""
+        """Validate and queue a request; returns its id. Raises ValueError naming the problem.
+        `prompt`: a text (with `chat`, the user's turn of a chat), token ids, or a conversation
+        (`[{"role": ..., "content": ...}, ...]`, rendered with the chat template)."""
         if self.is_follower:
             raise RuntimeError(f"process {jax.process_index()} follows process 0's schedule: requests go to "
                                "process 0's engine; call Engine.follow() here")
@@ -351,19 +357,30 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None  # (asynchronous: a step not read yet)
 
-    def _encode(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
+        """Token ids of a text (with `chat`, as the user's turn), a conversation (message dicts,
+        always rendered with the chat template, the assistant's turn opened) or ids as given."""
         tok = self.model.tokenizer
-        if isinstance(prompt, str):
+        conversation = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+        if isinstance(prompt, str) or conversation:
             if tok is None:
                 raise ValueError("this model has no tokenizer: pass token ids instead of text")
-            if chat:
+            if conversation:
+                ids = tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)
+            elif chat:
                 ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
             else:
                 ids = tok.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(i) for i in prompt]
+            ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
+            odd = next((i for i in ids if not isinstance(i, (int, np.integer)) or isinstance(i, bool)), None)
+            if odd is not None:  # never cast: 1.5 is not a token id
+                raise ValueError("prompt must be a string, token ids or a conversation (a list of message dicts); "
+                                 f"got a {type(prompt).__name__} holding {type(odd).__name__} {odd!r:.40}")
+            ids = [int(i) for i in ids]
         else:
-            raise ValueError(f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
+            raise ValueError("prompt must be a string, token ids or a conversation (a list of message dicts), "
+                             f"got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty")
         vocab = self.model.config.vocab_size
@@ -937,7 +954,7 @@ class Engine:
 
     # ---- conveniences -----------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  chat: bool = False, progress: bool = False) -> list[RequestOutput]:
         """Run prompts to completion (alongside anything already queued); outputs in input order."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
@@ -967,7 +984,7 @@ class Engine:
         bar.close()
         return [final[i] for i in ids]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams(),
+    def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                chat: bool = False, cache_salt: str | None = None) -> Iterator[str]:
         """Yield one request's text as it is produced (other requests advance too)."""
         rid = self.add_request(prompt, params, chat=chat, cache_salt=cache_salt)
