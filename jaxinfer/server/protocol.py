@@ -198,9 +198,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatTemplateOptions(BaseModel):
-    """How messages are rendered (vLLM's extras): the assistant turn opened, or the last
-    message continued (a prefilled answer; then no turn is opened unless asked), and
-    variables the chat template reads (`chat_template_kwargs`, e.g. `enable_thinking`)."""
+    """How messages are rendered (vLLM's extras): the assistant's turn opened, or the last
+    message continued (a prefilled answer: no turn opened, and asking for one too is refused),
+    and variables the chat template reads (`chat_template_kwargs`, e.g. `enable_thinking`)."""
 
     add_generation_prompt: bool | None = None  # default: True, False with continue_final_message
     continue_final_message: bool = False

@@ -22,6 +22,9 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+# `tool_choice` below: None, "none", "auto", "required" or a `protocol.NamedToolChoice`
+
+
 def check_tools(tools: list | None, tool_choice: Any) -> None:
     """A ValueError naming the field when `tools` / `tool_choice` cannot be served."""
     names = [t.function.name for t in tools or ()]
@@ -73,17 +76,17 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message as chat templates read it: an assistant's earlier calls with their arguments
     as objects (templates write them with `tojson`; OpenAI sends them as JSON text)."""
     calls = message.get("tool_calls")
-    if not calls:
-        return message
-    def loaded(call: dict[str, Any]) -> dict[str, Any]:
-        function = dict(call.get("function") or {})
-        if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                pass
-        return call | {"function": function}
-    return message | {"tool_calls": [loaded(c) for c in calls]}
+    return message | {"tool_calls": [_arguments_loaded(c) for c in calls]} if calls else message
+
+
+def _arguments_loaded(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass  # not JSON: the template gets the text as sent
+    return call | {"function": function}
 
 
 def _show(tool_choice: Any) -> str:
