@@ -153,6 +153,24 @@ class GrammarMatcher:
         """The grammar is complete and allows nothing more (or ended at EOS)."""
         return self._matcher.is_stopped()
 
+    def draft_masks(self, drafts: Sequence[int]) -> np.ndarray:
+        """The masks after each of the first drafts the grammar allows -> i32[n, W]: row j is
+        what may follow drafts[: j + 1]; n <= len(drafts) stops before the first draft the
+        grammar refuses (verifying it could only reject it) and after one that completes the
+        grammar (the request ends there: what follows it is never kept, so any mask does).
+        The matcher is left where it was (the drafts are tentative)."""
+        masks = []
+        valid = 0 if self._matcher.is_stopped() else self._matcher.validate_tokens([int(t) for t in drafts])
+        for token in drafts[:valid]:  # (consuming a refused token would leave the matcher in error)
+            if not self._matcher.consume_token(int(token)):
+                break
+            if self._matcher.is_stopped():
+                masks.append(np.full(self._words, -1, np.int32))
+                break
+            masks.append(self.allowed())
+        self._matcher.rollback(len(masks))
+        return np.stack(masks) if masks else np.zeros((0, self._words), np.int32)
+
 
 class GrammarCompiler:
     """Compiles requests' grammars against one tokenizer.
@@ -176,15 +194,15 @@ class GrammarCompiler:
         return GrammarMatcher(matcher, self.words)
 
 
-def allow_all(rows: int, vocab: int) -> np.ndarray:
-    """i32[rows, W]: bitmasks allowing every token (rows without a grammar)."""
-    return np.full((rows, bitmask_words(vocab)), -1, np.int32)
+def allow_all(rows: int | tuple[int, ...], vocab: int) -> np.ndarray:
+    """i32[*rows, W]: bitmasks allowing every token (rows without a grammar)."""
+    return np.full((*np.atleast_1d(rows), bitmask_words(vocab)), -1, np.int32)
 
 
 def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
-    """logits f32[N, V], allowed i32[N, W] (packed: bit t % 32 of word t // 32 allows token t)
-    -> f32[N, V] with every token its row does not allow at -inf."""
-    n, v = logits.shape
-    bits = (allowed[:, :, None] >> jnp.arange(BITS, dtype=jnp.int32)) & 1  # i32[N, W, 32]
-    keep = bits.reshape(n, -1)[:, :v].astype(bool)
+    """logits f32[..., V], allowed i32[..., W] (packed: bit t % 32 of word t // 32 allows
+    token t) -> f32[..., V] with every token its row does not allow at -inf."""
+    v = logits.shape[-1]
+    bits = (allowed[..., None] >> jnp.arange(BITS, dtype=jnp.int32)) & 1  # i32[..., W, 32]
+    keep = bits.reshape(*allowed.shape[:-1], -1)[..., :v].astype(bool)
     return jnp.where(keep, logits, -jnp.inf)

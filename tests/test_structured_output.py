@@ -42,7 +42,7 @@ PROMPTS = ["Reply in JSON:", "Any object", "A code:", "Answer", "Sum", "List"]
 
 
 def engine(model: Model, **changes) -> Engine:
-    return Engine(model, EngineConfig(max_slots=3, page_size=8, prefill_chunk=16, max_model_len=128, **changes))
+    return Engine(model, EngineConfig(**(dict(max_slots=3, page_size=8, prefill_chunk=16, max_model_len=128) | changes)))
 
 
 def params(structured: StructuredOutputsParams | None, i: int, temperature: float = 0.9) -> SamplingParams:
@@ -157,6 +157,120 @@ def test_asynchronous_and_speculative_engines_give_the_same_tokens(model, settin
                "draft": dict(speculative=SpeculativeConfig("draft", 3, draft=DraftModel(model.config, model.params)))}
     want = run_joining_late(engine(model), model)
     assert run_joining_late(engine(model, **changes[setting]), model) == want
+
+
+REPEATS = StructuredOutputsParams(regex="(red ){6}")  # output that copies itself: n-gram drafts find it
+
+
+def test_draft_masks_are_the_grammar_after_each_draft_and_move_nothing(model):
+    """`GrammarMatcher.draft_masks`: row j is the mask after drafts[: j + 1] (a matcher fed
+    token by token), cut before the first token the grammar refuses, every token allowed
+    after the one completing it; the matcher stays where it was."""
+    from jaxinfer.structured_output import GrammarCompiler
+
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, model.config.eos_ids)
+    ids = model.tokenizer.encode("red red red red red red ", add_special_tokens=False)
+    matcher, step_by_step = compiler.matcher(REPEATS), compiler.matcher(REPEATS)
+    start = matcher.allowed().copy()
+    masks = matcher.draft_masks(ids[:4] + model.tokenizer.encode("blue", add_special_tokens=False))
+    want = []
+    for token in ids[:4]:
+        step_by_step.consume(token)
+        want.append(step_by_step.allowed().copy())
+    np.testing.assert_array_equal(masks, np.stack(want))  # cut at "blue"
+    np.testing.assert_array_equal(matcher.allowed(), start)
+    whole = matcher.draft_masks(ids + ids)
+    assert len(whole) == len(ids) and (whole[-1] == -1).all()  # the grammar ends with the last "red "
+    for token in ids:  # untouched: the request's own tokens still go through
+        matcher.consume(token)
+    assert matcher.done and len(matcher.draft_masks(ids)) == 0
+
+
+def test_ngram_speculation_drafts_for_constrained_rows_and_keeps_greedy_tokens(model):
+    """Constrained rows verify n-gram drafts (masked at every position): greedy tokens equal
+    a plain engine's, for them and for a plain request beside them, and drafts were accepted."""
+    prompts = ["red red red", "Reply:", "plain text"]
+    ps = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=s) for s in (REPEATS, CASES["json"], None)]
+    want = [o.token_ids for o in engine(model).generate(prompts, ps)]
+    eng = engine(model, speculative=SpeculativeConfig("ngram", 3))
+    assert [o.token_ids for o in eng.generate(prompts, ps)] == want
+    stats = eng.metrics().speculative
+    assert stats.accepted[0] > 0, stats
+
+
+# none a prefix of another; three words, so a verify block can hold two drafts inside the grammar
+COLOURS = StructuredOutputsParams(choice=["red blue red", "blue red red", "red red blue"])
+COLOUR_PROMPT = "red blue red red blue red red blue"  # n-gram drafts find the words here
+
+
+def exact_constrained(model: Model, prompt: list[int], structured: StructuredOutputsParams) -> dict[tuple, float]:
+    """Every token sequence the grammar can end with and its probability under the masked
+    model at temperature 1 (dense forwards down the tree of allowed tokens)."""
+    lltok = llg_tokenizer(model)
+    mask = llguidance.numpy.allocate_token_bitmask(1, model.config.vocab_size)
+    paths: dict[tuple, float] = {}
+
+    def walk(matcher, out: tuple, p: float) -> None:
+        if matcher.is_stopped():
+            paths[out] = p
+            return
+        logits = last_logits(model, prompt + list(out))[None].astype(np.float64)
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask)
+        llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
+        probs = np.exp(logits[0] - logits.max())
+        probs /= probs.sum()
+        for token in np.flatnonzero(probs > 1e-9):
+            child = matcher.deep_copy()
+            assert child.consume_token(int(token))
+            walk(child, out + (int(token),), p * probs[token])
+
+    walk(llguidance.LLMatcher(lltok, structured.grammar_text()), (), 1.0)
+    return paths
+
+
+def sampled_constrained(model: Model, prompt: list[int], n: int) -> list[tuple | None]:
+    """n seeded answers (temperature 1) of an n-gram speculating engine; None for a failed one."""
+    eng = engine(model, max_slots=8, speculative=SpeculativeConfig("ngram", 3, ngram_min=1))  # one-token matches too
+    outs = eng.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=12, structured_outputs=COLOURS)
+                                       for i in range(n)])
+    assert eng.metrics().speculative.accepted[0] > 0
+    return [None if o.finish_reason == "error" else tuple(o.token_ids) for o in outs]
+
+
+def fits(samples: list[tuple | None], exact: dict[tuple, float]) -> float:
+    """Chi-square p of the sampled token sequences against `exact` (sequences expected fewer
+    than 5 times pooled); 0 if any answer failed or is not one the grammar allows."""
+    from scipy import stats
+
+    if any(s not in exact for s in samples):
+        return 0.0
+    keys = sorted(exact, key=exact.get, reverse=True)
+    observed = np.array([sum(s == k for s in samples) for k in keys], float)
+    expected = np.array([exact[k] for k in keys]) * len(samples)
+    big = expected >= 5
+    observed, expected = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    return float(stats.chisquare(observed[keep], expected[keep] * observed[keep].sum() / expected[keep].sum()).pvalue)
+
+
+def test_sampled_ngram_speculation_keeps_the_constrained_distribution(model, monkeypatch):
+    """Sampled constrained answers with n-gram drafts (some accepted) follow the masked model's
+    exact distribution over token sequences (chi-square p > 1e-3); verification that ignores
+    the masks after the drafts fails the same check."""
+    import jaxinfer.speculative.step as spec_step
+
+    prompt = model.tokenizer.encode(COLOUR_PROMPT)
+    exact = exact_constrained(model, prompt, COLOURS)
+    assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) >= 3
+    assert fits(sampled_constrained(model, prompt, 400), exact) > 1e-3
+    masked = spec_step.penalized_logits
+    monkeypatch.setattr(spec_step, "penalized_logits", lambda *a: masked(*a[:5]))  # the planted bug: no draft masks
+    jax.clear_caches()
+    try:
+        assert fits(sampled_constrained(model, prompt, 400), exact) < 1e-3
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
 
 
 def test_bad_structured_outputs_raise_naming_the_field_and_lose_nothing(model):

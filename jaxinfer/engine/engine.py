@@ -703,15 +703,23 @@ class Engine:
             return self._eagle_batch(plan)
         tokens = np.zeros((len(plan.decode), sc.num_speculative), np.int32)
         num_draft = np.zeros(len(plan.decode), np.int32)
+        # host drafts in a step with penalties or grammars carry the grammar mask after each
+        # draft (every token allowed where no grammar is); a model's drafts are made in the
+        # program, where no grammar is: constrained rows verify none
+        allowed = None
+        if sc.method == "ngram" and any(r.params.penalized for r in itertools.chain(plan.decode, (r for r, _ in plan.prefill))):
+            allowed = allow_all((len(plan.decode), sc.num_speculative), self.model.config.vocab_size)
         for i, (req, lookahead) in enumerate(zip(plan.decode, plan.lookahead)):
-            lookahead = 0 if req.matcher is not None else lookahead  # a grammar masks one token per step
             if sc.method == "ngram" and lookahead:
                 proposal = self._ngram_index(req).propose(lookahead)
+                if req.matcher is not None and len(proposal):  # only drafts the grammar allows, with its masks
+                    masks = req.matcher.draft_masks(proposal)
+                    proposal, allowed[i, : len(masks)] = proposal[: len(masks)], masks
                 tokens[i, : len(proposal)] = proposal
                 num_draft[i] = len(proposal)
             else:
-                num_draft[i] = lookahead
-        return DraftBatch(tokens=tokens, num_draft=num_draft)
+                num_draft[i] = 0 if req.matcher is not None else lookahead
+        return DraftBatch(tokens=tokens, num_draft=num_draft, allowed=allowed)
 
     def _eagle_batch(self, plan: SchedulePlan) -> EagleBatch:
         """The pairs each decoding request carried (its last `draft_carry` tokens follow the
@@ -752,7 +760,8 @@ class Engine:
         if longest == 0:
             return None
         width = next(w for w in self.draft_widths if w >= longest)
-        return DraftBatch(tokens=drafts.tokens[:, :width], num_draft=drafts.num_draft)
+        return DraftBatch(tokens=drafts.tokens[:, :width], num_draft=drafts.num_draft,
+                          allowed=None if drafts.allowed is None else drafts.allowed[:, :width])
 
     def _record_speculation(self, req: Request, num_draft: int, num_accepted: int, emitted: int) -> None:
         if req.metrics.speculative is None:
@@ -834,8 +843,11 @@ class Engine:
             return
         width, with_prefill, draft_width, decode_rows, penalized = key
         b = decode_rows
+        masks = None
+        if penalized and self.config.speculative.method == "ngram":  # as `_draft_batch` makes them
+            masks = allow_all((b, draft_width), self.model.config.vocab_size)
         drafts = None if draft_width == 0 else DraftBatch(tokens=np.zeros((b, draft_width), np.int32),
-                                                          num_draft=np.zeros(b, np.int32))
+                                                          num_draft=np.zeros(b, np.int32), allowed=masks)
         if draft_width and self.config.speculative.method == "eagle":
             rows = self.scheduler.max_prefill_rows
             drafts = EagleBatch(num_draft=np.zeros(b, np.int32), head_tokens=np.zeros((b, draft_width + 1), np.int32),
@@ -1046,13 +1058,15 @@ def draft_width(drafts: DraftBatch | EagleBatch | None) -> int:
 def drafts_by_row(drafts: DraftBatch | EagleBatch, rows: list[int], num_rows: int) -> DraftBatch | EagleBatch:
     """Drafts listed in `plan.decode`'s order, laid out in the step's decode rows: request i
     at row `rows[i]` of `num_rows` (idle rows verify nothing). Prefill-row fields stay."""
-    def lay_out(a: np.ndarray) -> np.ndarray:
-        out = np.zeros((num_rows, *a.shape[1:]), a.dtype)
+    def lay_out(a: np.ndarray, idle: int = 0) -> np.ndarray:
+        out = np.full((num_rows, *a.shape[1:]), idle, a.dtype)
         out[rows] = a[: len(rows)]
         return out
 
-    fields = ("tokens", "num_draft") if isinstance(drafts, DraftBatch) else ("num_draft", "head_tokens", "carried")
-    return dataclasses.replace(drafts, **{f: lay_out(getattr(drafts, f)) for f in fields})
+    if isinstance(drafts, EagleBatch):
+        return dataclasses.replace(drafts, **{f: lay_out(getattr(drafts, f)) for f in ("num_draft", "head_tokens", "carried")})
+    allowed = None if drafts.allowed is None else lay_out(drafts.allowed, idle=-1)  # idle rows: every token allowed
+    return DraftBatch(tokens=lay_out(drafts.tokens), num_draft=lay_out(drafts.num_draft), allowed=allowed)
 
 
 def program_key(batch: StepBatch, drafts: DraftBatch | None, penalized: bool = False) -> ProgramKey:

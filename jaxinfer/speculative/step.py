@@ -47,6 +47,9 @@ from jaxinfer.structured_output import mask_logits
 class DraftBatch:
     tokens: jax.Array  # i32[R, k]: host-proposed drafts (n-gram) per decode row; unused with a draft model
     num_draft: jax.Array  # i32[R]: drafts to verify per decode row (0 = plain decode)
+    # i32[R, k, W]: host drafts in a step with penalties or grammars: the structured-output mask
+    # after each draft (`GrammarMatcher.draft_masks`; every token allowed for other rows)
+    allowed: jax.Array | None = None
 
 
 @struct.dataclass
@@ -74,17 +77,23 @@ class SpeculativeOutput:
 
 
 def penalized_logits(logits: tuple[jax.Array, ...], batch: StepBatch, block: TokenGroup,
-                     penalties: PenaltyState | None, new_lengths: jax.Array) -> tuple[jax.Array, ...]:
+                     penalties: PenaltyState | None, new_lengths: jax.Array,
+                     draft_allowed: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """What verification and prefill sampling read: the raw logits per group (decode block
     f32[R, k + 1, V], prefill f32[P, V]), penalized when the step has penalties, and masked
-    by `batch.allowed` (structured output) at each block's first position: a constrained
-    row verifies no drafts (`Engine._draft_batch`), so that position is the one it samples."""
+    to what each position's grammar allows (structured output): `batch.allowed` at each
+    block's first position, `draft_allowed` i32[R, k, W] after each host draft (a model's
+    drafts are never made for constrained rows, `Engine._draft_batch`). Every position is
+    then the distribution a plain step would sample there, so verification stays exact."""
     if penalties is None:
         return logits
-    scored = (penalize_block(logits[0], penalties, batch.decode_slots, block.tokens, block.positions,
-                             batch.decode_active),)
+    scored = penalize_block(logits[0], penalties, batch.decode_slots, block.tokens, block.positions,
+                            batch.decode_active)
     if batch.allowed is not None:
-        scored = (scored[0].at[:, 0].set(mask_logits(scored[0][:, 0], batch.allowed)),)
+        scored = scored.at[:, 0].set(mask_logits(scored[:, 0], batch.allowed))
+    if draft_allowed is not None:
+        scored = scored.at[:, 1:].set(mask_logits(scored[:, 1:], draft_allowed))
+    scored = (scored,)
     if len(logits) > 1:
         slots = batch.prefill.slots
         prefill = penalize(logits[1], penalties, slots, new_lengths[slots])
@@ -150,7 +159,7 @@ def speculative_step(
 
     block = verify_block(batch, proposal, num_draft)
     logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
-    scored = penalized_logits(logits, batch, block, penalties, kv.lengths)
+    scored = penalized_logits(logits, batch, block, penalties, kv.lengths, drafts.allowed)
     num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys)
     out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths, scored,
                                     count_kept(penalties, batch, block, num_accepted))
