@@ -573,7 +573,7 @@ class Engine:
             for req in admitted:
                 row = slot_history(vocab, req.prompt, req.generated, req.params, eos_ids)
                 self.penalties = self._compiles.call(set_slot, self.penalties, np.int32(req.slot), row)
-        return any(r.params.penalized for r in itertools.chain(plan.decode, (r for r, _ in plan.prefill)))
+        return plan_penalized(plan)
 
     def _dispatch(self, index: int, batch: StepBatch, drafts: DraftBatch | None, feed: np.ndarray | None,
                   updates: list[TableUpdates], penalized: bool = False) -> tuple:
@@ -703,12 +703,7 @@ class Engine:
             return self._eagle_batch(plan)
         tokens = np.zeros((len(plan.decode), sc.num_speculative), np.int32)
         num_draft = np.zeros(len(plan.decode), np.int32)
-        # host drafts in a step with penalties or grammars carry the grammar mask after each
-        # draft (every token allowed where no grammar is); a model's drafts are made in the
-        # program, where no grammar is: constrained rows verify none
-        allowed = None
-        if sc.method == "ngram" and any(r.params.penalized for r in itertools.chain(plan.decode, (r for r, _ in plan.prefill))):
-            allowed = allow_all((len(plan.decode), sc.num_speculative), self.model.config.vocab_size)
+        allowed = self._draft_masks(len(plan.decode), sc.num_speculative, plan_penalized(plan))
         for i, (req, lookahead) in enumerate(zip(plan.decode, plan.lookahead)):
             if sc.method == "ngram" and lookahead:
                 proposal = self._ngram_index(req).propose(lookahead)
@@ -720,6 +715,15 @@ class Engine:
             else:
                 num_draft[i] = 0 if req.matcher is not None else lookahead
         return DraftBatch(tokens=tokens, num_draft=num_draft, allowed=allowed)
+
+    def _draft_masks(self, rows: int, width: int, penalized: bool) -> np.ndarray | None:
+        """i32[rows, width, W] allowing every token, or None: host drafts (n-gram) in a step
+        with penalties or grammars carry the grammar mask after each draft (constrained rows
+        fill theirs in); a model's drafts are made in the program, where no grammar is, so
+        constrained rows verify none of those."""
+        if not penalized or self.config.speculative.method != "ngram":
+            return None
+        return allow_all((rows, width), self.model.config.vocab_size)
 
     def _eagle_batch(self, plan: SchedulePlan) -> EagleBatch:
         """The pairs each decoding request carried (its last `draft_carry` tokens follow the
@@ -843,11 +847,9 @@ class Engine:
             return
         width, with_prefill, draft_width, decode_rows, penalized = key
         b = decode_rows
-        masks = None
-        if penalized and self.config.speculative.method == "ngram":  # as `_draft_batch` makes them
-            masks = allow_all((b, draft_width), self.model.config.vocab_size)
         drafts = None if draft_width == 0 else DraftBatch(tokens=np.zeros((b, draft_width), np.int32),
-                                                          num_draft=np.zeros(b, np.int32), allowed=masks)
+                                                          num_draft=np.zeros(b, np.int32),
+                                                          allowed=self._draft_masks(b, draft_width, penalized))
         if draft_width and self.config.speculative.method == "eagle":
             rows = self.scheduler.max_prefill_rows
             drafts = EagleBatch(num_draft=np.zeros(b, np.int32), head_tokens=np.zeros((b, draft_width + 1), np.int32),
@@ -1067,6 +1069,12 @@ def drafts_by_row(drafts: DraftBatch | EagleBatch, rows: list[int], num_rows: in
         return dataclasses.replace(drafts, **{f: lay_out(getattr(drafts, f)) for f in ("num_draft", "head_tokens", "carried")})
     allowed = None if drafts.allowed is None else lay_out(drafts.allowed, idle=-1)  # idle rows: every token allowed
     return DraftBatch(tokens=lay_out(drafts.tokens), num_draft=lay_out(drafts.num_draft), allowed=allowed)
+
+
+def plan_penalized(plan: SchedulePlan) -> bool:
+    """Whether a request of `plan` changes its logits (penalties, bias, a grammar): the step
+    runs the programs that do."""
+    return any(r.params.penalized for r in itertools.chain(plan.decode, (r for r, _ in plan.prefill)))
 
 
 def program_key(batch: StepBatch, drafts: DraftBatch | None, penalized: bool = False) -> ProgramKey:

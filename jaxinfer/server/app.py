@@ -243,7 +243,7 @@ def _field_of(message: str) -> str | None:
 async def completions(server: OpenAIServer, raw: Request, body: CompletionRequest):
     model = server.check_model(body)
     prompts = server.completion_prompts(body)
-    params = [server.params(body, ids, default_max_tokens=16) for _, ids in prompts]
+    params = server.params(body, prompts[0][1], default_max_tokens=16)  # one default: the same for every prompt
     n, wants_logprobs = body.n, body.num_logprobs is not None
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     # echo: each choice's text starts with its prompt (the text as sent, or the ids decoded,
@@ -255,10 +255,9 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
     echo_lps = [None] * len(prompts)
     if body.echo and wants_logprobs:
         echo_lps = [await asyncio.to_thread(server.prompt_logprobs, ids, body.num_logprobs) for _, ids in prompts]
-    if not params[0]:  # max_tokens 0 with echo: the prompts (and their logprobs), nothing generated
+    if not params:  # max_tokens 0 with echo: the prompts (and their logprobs), nothing generated
         return _echo_only(body, model, echoed, echo_lps, prompt_tokens)
-    sink, rids = await server.submit([ids for _, ids in prompts for _ in range(n)], [p for ps in params for p in ps],
-                                     body.salt)
+    sink, rids = await server.submit([ids for _, ids in prompts for _ in range(n)], params * len(prompts), body.salt)
     rid, created = new_id("cmpl"), now()
 
     def chunk(choices, use=None):
@@ -335,9 +334,11 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         return chat_logprobs(server.tokenizer, *tokens_of(out, new_only)) if body.logprobs else None
 
     choice = body.effective_tool_choice if body.calls_tools else None  # the answer is a constrained call
+    required = choice == "required"  # a JSON array of calls, sent whole once complete
+    named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
 
     def finish(out, calls) -> str:
-        return "tool_calls" if choice == "required" and calls else out.finish_reason
+        return "tool_calls" if required and calls else out.finish_reason
 
     if body.stream:
         async def stream():
@@ -347,23 +348,20 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             generated, texts = 0, [""] * len(rids)
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
-                if out.delta_text or (body.logprobs and out.delta_token_ids):
+                if (out.delta_text or (body.logprobs and out.delta_token_ids)) and not required:
                     delta = {"content": out.delta_text}
-                    if choice is not None and choice != "required":  # a named function: its arguments as they come
-                        first = not texts[index]
-                        call = (tool_call(choice.function.name, out.delta_text, index=0) if first else
-                                {"index": 0, "function": {"arguments": out.delta_text}})
-                        delta = {"tool_calls": [call]}
-                    texts[index] += out.delta_text
-                    if choice != "required":  # "required": the calls are sent whole once the array is complete
-                        yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out),
-                                           "finish_reason": None}]))
+                    if named is not None:
+                        delta = {"tool_calls": [tool_call(named, out.delta_text, index=0) if not texts[index] else
+                                                {"index": 0, "function": {"arguments": out.delta_text}}]}
+                    yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out), "finish_reason": None}]))
+                texts[index] += out.delta_text
+                calls = None
+                if out.finished and required:
+                    calls = parse_calls(texts[index], choice)
+                    delta = ({"tool_calls": [c | {"index": j} for j, c in enumerate(calls)]} if calls else
+                             {"content": texts[index]})  # cut short: the text as it is
+                    yield _sse(chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
                 if out.finished:
-                    calls = parse_calls(texts[index], choice) if choice == "required" else None
-                    if choice == "required":
-                        delta = ({"tool_calls": [c | {"index": j} for j, c in enumerate(calls)]} if calls else
-                                 {"content": texts[index]})  # cut short: the text as it is
-                        yield _sse(chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
                                        "finish_reason": finish(out, calls)}]))
             if body.include_usage:
