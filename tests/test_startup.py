@@ -50,6 +50,20 @@ def test_warmup_compiles_each_program_once_and_traffic_nothing_more(model):
     assert eng.metrics().obtained_programs == compiled
 
 
+def test_warmup_with_penalties_compiles_what_penalized_requests_run(model):
+    """`warmup(penalized=True)` (what the server starts) also compiles the programs of requests
+    with penalties, a logit bias or a grammar, and the penalty-row write: such requests then
+    compile nothing, short or as long as the context allows."""
+    eng = Engine(model, dataclasses.replace(CONFIG, max_slots=2))  # shapes no other test compiled
+    assert eng.warmup(penalized=True) == len(eng.program_keys(penalized=True)) > len(eng.program_keys())
+    compiled = eng.metrics().obtained_programs
+    assert compiled == len(eng.program_keys(penalized=True)) + 2  # + block tables, penalty rows
+    params = [SamplingParams(max_tokens=8, presence_penalty=0.5), SamplingParams(max_tokens=40, logit_bias={3: 2.0}),
+              SamplingParams(max_tokens=8)]
+    eng.generate([[5, 6, 7], list(range(1, 20)), [9, 8]], params)
+    assert eng.metrics().obtained_programs == compiled
+
+
 def test_background_warmup_serves_the_same_tokens_and_compiles_each_program_once(model):
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=24)
     reference = [o.token_ids for o in Engine(model, CONFIG).generate(prompts(6, seed=2), sp)]

@@ -566,14 +566,28 @@ class Engine:
         admitted = self.scheduler.take_admitted()
         if self.penalties is None and any(r.params.penalized for r in admitted):
             state = init_penalty_state(self.spec.max_slots, self.model.config.vocab_size)
-            self.penalties = self._commit(state) if self.config.mesh is None else jax.tree.map(
-                lambda a: sharding.put(np.asarray(a), sharding.replicated(self.config.mesh)), state)
+            self.penalties = jax.tree.map(lambda a: sharding.put(np.asarray(a), self._penalty_placement()), state)
         if self.penalties is not None:
             vocab, eos_ids = self.model.config.vocab_size, self.model.config.eos_ids
             for req in admitted:
                 row = slot_history(vocab, req.prompt, req.generated, req.params, eos_ids)
                 self.penalties = self._compiles.call(set_slot, self.penalties, np.int32(req.slot), row)
         return plan_penalized(plan)
+
+    def _penalty_placement(self) -> jax.sharding.Sharding:
+        """Where the penalty state lives: committed to the params' device, as step outputs
+        are (see `_commit`); on a mesh, replicated."""
+        if self.config.mesh is not None:
+            return sharding.replicated(self.config.mesh)
+        return jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(self.model.params)[0].devices())))
+
+    def _penalty_shapes(self) -> PenaltyState:
+        """The penalty state's shapes and placement, made or not (programs compile against them)."""
+        if self.penalties is not None:
+            return _abstract(self.penalties)
+        placement = self._penalty_placement()
+        state = jax.eval_shape(lambda: init_penalty_state(self.spec.max_slots, self.model.config.vocab_size))
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement), state)
 
     def _dispatch(self, index: int, batch: StepBatch, drafts: DraftBatch | None, feed: np.ndarray | None,
                   updates: list[TableUpdates], penalized: bool = False) -> tuple:
@@ -773,14 +787,15 @@ class Engine:
         for stats in (req.metrics.speculative, self.spec_stats):
             stats.record(num_draft, num_accepted, emitted)
 
-    def program_keys(self) -> list[ProgramKey]:
+    def program_keys(self, penalized: bool = False) -> list[ProgramKey]:
         """Every program traffic can need, in the order warm-up compiles them: the smallest
         context bucket first (what short requests run), then the largest (it fits every
         sequence), then the rest. Per bucket: decode + prefill, decode only; with speculation,
         the verifying step at each draft width (n-gram, or with `disable_by_batch_size`: also
         the plain step, for steps with nothing to verify or too many rows). Each at max_slots
         decode rows (they serve any step); then the decode-only programs of the smaller row
-        buckets, in the same order."""
+        buckets, in the same order. With `penalized`, then the programs that apply penalties,
+        logit bias and grammars, in the smallest and the largest bucket."""
         drafts = [0]
         if self.spec_stats:
             sc = self.config.speculative
@@ -788,31 +803,42 @@ class Engine:
         buckets, full = self.context_buckets, self.config.max_slots
         order = [buckets[0]] + ([buckets[-1]] if len(buckets) > 1 else []) + buckets[1:-1]
         keys = [(w, prefill, d, full, False) for w in order for prefill in (True, False) for d in drafts]
-        return keys + [(w, False, d, r, False) for w in order for r in self.decode_row_buckets if r < full for d in drafts]
+        keys += [(w, False, d, r, False) for w in order for r in self.decode_row_buckets if r < full for d in drafts]
+        if penalized:  # the smallest and the largest bucket serve every context length
+            ends = {buckets[0], buckets[-1]}
+            keys += [(*key[:4], True) for key in keys if key[0] in ends]
+        return keys
 
-    def warmup(self) -> int:
+    def warmup(self, penalized: bool = False) -> int:
         """Compile every program traffic can need (`program_keys`) now; returns how many.
+        With `penalized`, also those of requests with penalties, a logit bias or a grammar.
         `start_warmup` does the same in the background while the engine serves."""
-        for key in self.program_keys():
+        keys = self.program_keys(penalized)
+        for key in keys:
             self._compile(key)
-        self._compile_side_programs()
-        return len(self.program_keys())
+        self._compile_side_programs(penalized)
+        return len(keys)
 
-    def start_warmup(self) -> None:
-        """Compile every program on a background thread, the smallest first, while `step`
-        serves with the programs compiled so far: a step runs the smallest compiled context
-        bucket that holds its sequences, and compiles (or waits for) one itself only when none
-        does. `ready` says when the smallest bucket's programs are there."""
+    def start_warmup(self, penalized: bool = False) -> None:
+        """Compile every program on a background thread, the smallest first (those with
+        penalties last), while `step` serves with the programs compiled so far: a step runs
+        the smallest compiled context bucket that holds its sequences, and compiles (or waits
+        for) one itself only when none does. `ready` says when the smallest bucket's plain
+        programs are there."""
         if self._compiler is None:
-            self._compile_side_programs()
-            self._compiler = BackgroundCompiler(self._compile, self.program_keys())
+            self._compile_side_programs(penalized)
+            self._compiler = BackgroundCompiler(self._compile, self.program_keys(penalized))
 
-    def _compile_side_programs(self) -> None:
+    def _compile_side_programs(self, penalized: bool = False) -> None:
         """Compile the tiny programs every step may call with the steps: the block-table
-        update, and with asynchronous scheduling `feed_decode_tokens`."""
+        update, with asynchronous scheduling `feed_decode_tokens`, with `penalized` the
+        write of an admitted request's penalty row (`set_slot`)."""
         tables = jax.ShapeDtypeStruct(self.kv.block_tables.shape, jnp.int32, sharding=self.kv.block_tables.sharding)
         with self._compiles.attribute():
             self._apply_tables.lower(tables, self._place_updates(self._tables.idle())).compile()
+            if penalized:
+                row = slot_history(self.model.config.vocab_size, [], [])
+                set_slot.lower(self._penalty_shapes(), np.int32(0), row).compile()
         if self.config.async_scheduling:
             for rows in self.decode_row_buckets:
                 r = np.zeros(rows, np.int32)
@@ -854,12 +880,11 @@ class Engine:
             rows = self.scheduler.max_prefill_rows
             drafts = EagleBatch(num_draft=np.zeros(b, np.int32), head_tokens=np.zeros((b, draft_width + 1), np.int32),
                                 carried=np.zeros(b, np.int32), prefill_carried=np.zeros(rows, bool) if with_prefill else None)
-        abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-        batch, kv = self._idle_batch(width, with_prefill, decode_rows, penalized), abstract(self.kv)
+        batch, kv = self._idle_batch(width, with_prefill, decode_rows, penalized), _abstract(self.kv)
         if self.config.async_scheduling:  # its decode tokens come from `feed_decode_tokens`, on the device
             batch = dataclasses.replace(batch, decode_tokens=self._replicated(batch.decode_tokens))
-        draft_kv = None if self.draft_kv is None else abstract(self.draft_kv)
-        penalties = abstract(self.penalties) if penalized else None
+        draft_kv = None if self.draft_kv is None else _abstract(self.draft_kv)
+        penalties = self._penalty_shapes() if penalized else None
         with self._compiles.attribute():
             try:
                 fn, args = self._program(batch, drafts, kv, draft_kv, self.attention_impl(key), penalties)
@@ -1069,6 +1094,11 @@ def drafts_by_row(drafts: DraftBatch | EagleBatch, rows: list[int], num_rows: in
         return dataclasses.replace(drafts, **{f: lay_out(getattr(drafts, f)) for f in ("num_draft", "head_tokens", "carried")})
     allowed = None if drafts.allowed is None else lay_out(drafts.allowed, idle=-1)  # idle rows: every token allowed
     return DraftBatch(tokens=lay_out(drafts.tokens), num_draft=lay_out(drafts.num_draft), allowed=allowed)
+
+
+def _abstract(tree):
+    """`ShapeDtypeStruct`s with the placements of `tree`'s arrays (compile without them)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
 def plan_penalized(plan: SchedulePlan) -> bool:

@@ -18,12 +18,13 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
     outstanding; more are answered 429. With `warmup` the engine compiles its programs in the
     background (`Engine.start_warmup`): the server answers at once, `/health` says 503
     "warming up" until short requests can be served without compiling, and requests sent
-    meanwhile wait for the programs they need."""
+    meanwhile wait for the programs they need. The programs of requests with penalties, a
+    logit bias or a grammar (structured output, tool calls) compile last."""
     if max_queue < 0:
         raise ValueError(f"{max_queue=} must be >= 0")
     engine = Engine(model, engine_config)
     if warmup:
-        engine.start_warmup()
+        engine.start_warmup(penalized=True)
     return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key)
 
 
