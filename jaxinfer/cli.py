@@ -196,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model name(s) clients send; the first is listed first (default: --model or 'default')")
+    srv.add_argument("--tool-call-parser", default=None,
+                     help="with tool_choice 'auto' (the default when tools are sent), return the calls the model "
+                          "writes in its answer as tool_calls: 'hermes' for <tool_call>{json}</tool_call> (Hermes, "
+                          "Qwen 2.5/3, SmolLM3); without it 'auto' answers in text")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted as vLLM has it; needs --tool-call-parser, which alone turns parsing on")
     srv.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
     _add_attention_flag(srv)
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
@@ -356,7 +362,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.engine.multihost import spans_processes
     from jaxinfer.server import build_server, serve
+    from jaxinfer.server.tools import TOOL_CALL_PARSERS
 
+    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r}: the parsers are {', '.join(TOOL_CALL_PARSERS)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     mesh = _mesh(args)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
@@ -371,7 +382,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         return
     name = args.served_model_name or [args.model or "default"]
     print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
-    server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue)
+    server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue,
+                          tool_call_parser=args.tool_call_parser)
     serve(server, args.host, args.port, grace_s=args.grace_period)
 
 

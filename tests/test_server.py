@@ -387,6 +387,40 @@ def test_tool_calls(srv, client):
         assert err.status_code == 400 and err.json()["error"]["param"] == param, (body, err.text)
 
 
+def test_auto_tool_calls_parsed_from_the_answer(model, client):
+    """With `tool_call_parser="hermes"`, tool choice "auto" returns the calls the model writes
+    (`<tool_call>{json}</tool_call>`) as `tool_calls`, streamed or not, and the rest as content;
+    an answer without calls is plain text. The tiny model is made to write one by a choice
+    constraint."""
+    s = ServerThread(build_server(model, ENGINE, NAME, warmup=False, tool_call_parser="hermes"))
+    try:
+        hermes = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=T)
+        answer = 'On it.<tool_call>{"name": "set_unit", "arguments": {"unit": "c"}}</tool_call>'
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "Unit?"}], tools=TOOLS, max_tokens=32,
+                  temperature=0, extra_body={"structured_outputs": {"choice": [answer]}})
+        r = hermes.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content == "On it."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [("set_unit", {"unit": "c"})]
+        assert msg.tool_calls[0].id.startswith("call_")
+        calls, finish = _streamed_calls(hermes.chat.completions.create(stream=True, **kw))
+        stream = hermes.chat.completions.create(stream=True, **kw)
+        content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert content == "On it." and finish == "tool_calls"
+        assert calls == {0: {"name": "set_unit", "arguments": msg.tool_calls[0].function.arguments}}
+        # no call in the answer, or tool choice "none": text, as the server without a parser gives it
+        plain = dict(kw, extra_body={"structured_outputs": {"choice": ["<tool_call> is a tag"]}})
+        for extra in ({}, {"tool_choice": "none"}):
+            r = hermes.chat.completions.create(**plain, **extra)
+            assert r.choices[0].message.content == "<tool_call> is a tag" and r.choices[0].message.tool_calls is None
+        text = client.chat.completions.create(**kw)  # the server without a parser: the call stays text
+        assert text.choices[0].message.content == answer and text.choices[0].message.tool_calls is None
+        with pytest.raises(ValueError, match="tool_call_parser"):
+            build_server(model, ENGINE, NAME, warmup=False, tool_call_parser="mistral")
+    finally:
+        s.stop()
+
+
 def test_errors_have_openai_shape_and_disturb_nothing(srv, model):
     body = {"model": NAME, "prompt": "In flight", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
     want = engine_text(model, model.tokenizer.encode("In flight"), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

@@ -33,7 +33,7 @@ from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_lo
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
-from jaxinfer.server.tools import parse_calls, tool_call
+from jaxinfer.server.tools import TOOL_CALL_PARSERS, HermesCalls, parse_calls, tool_call
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -47,7 +47,11 @@ class OpenAIServer:
     """State the handlers share: the engine loop, the tokenizer and the served model names
     (the first is the one `/v1/models` lists first and responses to requests naming none carry)."""
 
-    def __init__(self, loop: EngineLoop, model_name: str | Sequence[str], api_key: str | None = None):
+    def __init__(self, loop: EngineLoop, model_name: str | Sequence[str], api_key: str | None = None,
+                 tool_call_parser: str | None = None):
+        if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser={tool_call_parser!r} must be None or one of {TOOL_CALL_PARSERS}")
+        self.tool_call_parser = tool_call_parser  # "auto" tool choice: calls parsed out of the text (`HermesCalls`)
         self.loop = loop
         self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         if not self.model_names:
@@ -336,10 +340,15 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     choice = body.effective_tool_choice if body.calls_tools else None  # the answer is a constrained call
     required = choice == "required"  # a JSON array of calls, sent whole once complete
     named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
+    # "auto" with a parser: the model may write calls in its text (`HermesCalls`)
+    parsed = bool(body.tools) and body.effective_tool_choice == "auto" and server.tool_call_parser is not None
 
     def finish(out, calls) -> str:
-        return "tool_calls" if required and calls else out.finish_reason
+        return "tool_calls" if (required or parsed) and calls and out.finish_reason == "stop" else out.finish_reason
 
+    if body.stream and parsed:
+        return StreamingResponse(_guarded(_parsed_stream(server, raw, body, sink, rids, chunk, logprobs, ids), raw),
+                                 media_type="text/event-stream")
     if body.stream:
         async def stream():
             for i in range(len(rids)):
@@ -370,6 +379,9 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
     def message(out) -> tuple[dict, list | None]:
+        if parsed:
+            content, calls = HermesCalls.parse(out.text)
+            return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}), calls
         calls = parse_calls(out.text, choice) if choice is not None else None
         if calls is None:
             return {"role": "assistant", "content": out.text}, None
@@ -383,6 +395,34 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                         "finish_reason": finish(o, calls)})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
+
+
+async def _parsed_stream(server: OpenAIServer, raw: Request, body: ChatCompletionRequest, sink: Sink,
+                         rids: list[str], chunk, logprobs, ids: list[int]) -> AsyncIterator[str]:
+    """A chat stream whose text may hold tool calls ("auto" with a parser): content deltas
+    as they come (held back only while they might begin a call), each call once complete."""
+    for i in range(len(rids)):
+        yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]))
+    generated, parsers = 0, [HermesCalls() for _ in rids]
+    async for _, index, out in server.events(raw, sink, rids):
+        generated += len(out.delta_token_ids)
+        content, calls = parsers[index].feed(out.delta_text)
+        if out.finished:
+            rest, last = parsers[index].finish()
+            content, calls = content + rest, calls + last
+        if content or (body.logprobs and out.delta_token_ids):
+            yield _sse(chunk([{"index": index, "delta": {"content": content}, "logprobs": logprobs(out),
+                               "finish_reason": None}]))
+        if calls:
+            yield _sse(chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]))
+        if out.finished:
+            called = parsers[index].calls and out.finish_reason == "stop"
+            yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
+                               "finish_reason": "tool_calls" if called else out.finish_reason}]))
+    if body.include_usage:
+        yield _sse(chunk([], usage(len(ids), generated)))
+    yield DONE
 
 
 async def _collect(server: OpenAIServer, raw: Request, sink: Sink, rids: list[str]):

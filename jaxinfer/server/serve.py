@@ -10,22 +10,27 @@ from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import Model
 from jaxinfer.server.app import OpenAIServer, create_app
 from jaxinfer.server.loop import EngineLoop
+from jaxinfer.server.tools import TOOL_CALL_PARSERS
 
 
 def build_server(model: Model, engine_config: EngineConfig, model_name: str | Sequence[str],
-                 api_key: str | None = None, max_queue: int = 256, warmup: bool = True) -> OpenAIServer:
+                 api_key: str | None = None, max_queue: int = 256, warmup: bool = True,
+                 tool_call_parser: str | None = None) -> OpenAIServer:
     """An engine behind an `OpenAIServer`. At most `max_slots + max_queue` requests are
     outstanding; more are answered 429. With `warmup` the engine compiles its programs in the
     background (`Engine.start_warmup`): the server answers at once, `/health` says 503
     "warming up" until short requests can be served without compiling, and requests sent
-    meanwhile wait for the programs they need. The programs of requests with penalties, a
+    meanwhile wait for the programs they need. `tool_call_parser` ("hermes"): with tool
+    choice "auto", the calls the model writes in its answer come back as `tool_calls`. The programs of requests with penalties, a
     logit bias or a grammar (structured output, tool calls) compile last."""
     if max_queue < 0:
         raise ValueError(f"{max_queue=} must be >= 0")
+    if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+        raise ValueError(f"{tool_call_parser=} must be None or one of {TOOL_CALL_PARSERS}")
     engine = Engine(model, engine_config)
     if warmup:
         engine.start_warmup(penalized=True)
-    return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key)
+    return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key, tool_call_parser)
 
 
 def serve(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,

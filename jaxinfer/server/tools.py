@@ -3,10 +3,11 @@
 `tool_choice` names a function, or is "required": the output is constrained (structured
 output, `jaxinfer.structured_output`) to that function's arguments, or to a JSON array of
 `{"name", "parameters"}` calls of the listed tools, so every answer parses into `tool_calls`.
-"none" answers in text, and so does "auto" (OpenAI's default when tools are sent): telling a
-call apart in free text needs a parser of each model family's own call syntax, which this
-server does not have (vLLM refuses "auto" without one; answering in text keeps clients that
-send tools by default working).
+"none" answers in text, and so does "auto" (OpenAI's default when tools are sent) unless the
+server has a parser of the model family's own call syntax (`jaxinfer serve --tool-call-parser
+hermes`, as in vLLM): then the calls the model writes in its text come back as `tool_calls`
+(`HermesCalls`). Without one, "auto" answers in text (vLLM refuses it; answering keeps
+clients that send tools by default working).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import json
 import uuid
 from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes",)  # `jaxinfer serve --tool-call-parser`
 
 FREE_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function that declares no parameters
 
@@ -91,3 +94,86 @@ def _arguments_loaded(call: dict[str, Any]) -> dict[str, Any]:
 
 def _show(tool_choice: Any) -> str:
     return repr(tool_choice) if isinstance(tool_choice, str) else repr(tool_choice.function.name)
+
+
+class HermesCalls:
+    """Tool calls written as Hermes, Qwen 2.5 / 3 and SmolLM3 write them, anywhere in the text:
+
+        <tool_call>
+        {"name": "get_weather", "arguments": {"city": "Paris"}}
+        </tool_call>
+
+    Fed a choice's text as it streams, it returns what to send: the content outside the calls
+    (held back only while it might be the start of `<tool_call>`) and each call once closed.
+    A block that does not hold such a call, or is never closed, stays in the content as
+    written: nothing the model wrote is lost."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._pending = ""  # text not yet sent: a possible start tag, or an open block
+        self.calls = 0  # calls sent so far: the next one's index
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send now, calls completed now)."""
+        buffer, content, calls = self._pending + text, [], []
+        while True:
+            start = buffer.find(self.START)
+            if start < 0:
+                keep = _partial_suffix(buffer, self.START)
+                content.append(buffer[: len(buffer) - keep])
+                self._pending = buffer[len(buffer) - keep :]
+                break
+            end = buffer.find(self.END, start)
+            if end < 0:
+                content.append(buffer[:start])
+                self._pending = buffer[start:]
+                break
+            call = _hermes_call(buffer[start + len(self.START) : end], self.calls)
+            if call is None:
+                content.append(buffer[: end + len(self.END)])
+            else:
+                content.append(buffer[:start])
+                calls.append(call)
+                self.calls += 1
+            buffer = buffer[end + len(self.END) :]
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end of the text: a last block the model left open is a call if what it holds
+        is one (the output stopped at EOS or a stop string right after it), else content."""
+        pending, self._pending = self._pending, ""
+        if pending.startswith(self.START) and (call := _hermes_call(pending[len(self.START) :], self.calls)):
+            self.calls += 1
+            return "", [call]
+        return pending, []
+
+    @classmethod
+    def parse(cls, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole answer -> (its content without the calls, None if only whitespace is left
+        and there were calls; the calls)."""
+        parser = cls()
+        content, calls = parser.feed(text)
+        rest, last = parser.finish()
+        content, calls = content + rest, [{k: v for k, v in c.items() if k != "index"} for c in calls + last]
+        return (None if calls and not content.strip() else content.strip() if calls else content), calls
+
+
+def _hermes_call(body: str, index: int) -> dict[str, Any] | None:
+    """The call a `<tool_call>` block holds, or None: `{"name": str, "arguments": object}`
+    (some models write `parameters`)."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return tool_call(call["name"], arguments, index)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (kept back while streaming)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)

@@ -1,0 +1,62 @@
+"""`HermesCalls`: tool calls written in the answer's text (`<tool_call>{json}</tool_call>`),
+parsed whole and as the text streams in pieces (the same content and calls either way)."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.server.tools import HermesCalls
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+PING = '<tool_call>{"name": "ping", "parameters": {}}</tool_call>'
+
+
+def named(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_parse_finds_calls_and_keeps_the_rest_as_content():
+    content, calls = HermesCalls.parse("Let me look.\n" + WEATHER + "\n" + PING)
+    assert content == "Let me look."
+    assert named(calls) == [("get_weather", {"city": "Paris", "days": 2}), ("ping", {})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") and "index" not in c for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+    assert HermesCalls.parse(WEATHER)[0] is None  # nothing but calls: no content
+    assert HermesCalls.parse("no calls here ") == ("no calls here ", [])  # untouched
+    # not a call (no JSON, no name): the text as written, nothing lost
+    for text in ("a <tool_call>not json</tool_call> b", 'x <tool_call>{"arguments": {}}</tool_call>', "<tool_call> open"):
+        assert HermesCalls.parse(text) == (text, [])
+    # a last block left open (the answer stopped at EOS right after the JSON) is still a call
+    content, calls = HermesCalls.parse('Sure. <tool_call>{"name": "ping", "arguments": "{}"}')
+    assert content == "Sure." and named(calls) == [("ping", {})]
+
+
+def test_streaming_holds_back_only_what_may_start_a_call():
+    parser = HermesCalls()
+    assert parser.feed("Hello <tool") == ("Hello ", [])  # "<tool" may begin "<tool_call>"
+    assert parser.feed("s are fun") == ("<tools are fun", [])
+    assert parser.feed(" <tool_call>{\"name\": \"ping\", ") == (" ", [])
+    content, calls = parser.feed('"arguments": {}}</tool_call> done')
+    assert content == " done" and named(calls) == [("ping", {})] and calls[0]["index"] == 0
+    assert parser.finish() == ("", []) and parser.calls == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["Hi ", WEATHER, PING, "<tool_call>bad</tool_call>", "<", "_call>", " x", "\n"]),
+                max_size=6), st.lists(st.integers(0, 400), max_size=8))
+def test_streamed_in_any_pieces_equals_parsed_whole(parts, cuts):
+    text = "".join(parts)
+    cuts = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    parser, content, calls = HermesCalls(), "", []
+    for a, b in zip(cuts, cuts[1:]):
+        more, new = parser.feed(text[a:b])
+        content, calls = content + more, calls + new
+    rest, last = parser.finish()
+    content, calls = content + rest, calls + last
+    whole_content, whole_calls = HermesCalls.parse(text)
+    assert named(calls) == named(whole_calls) and [c["index"] for c in calls] == list(range(len(calls)))
+    assert (content.strip() or None if whole_calls else content) == whole_content
