@@ -67,6 +67,9 @@ class SamplingParams:
     # Sample only what a JSON schema / regex / choice / grammar allows (`jaxinfer.structured_output`)
     structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
+    # False: special tokens (<|im_start|>, <tool_call> where it is one) appear in the text; the
+    # EOS or stop token that ends the request never does
+    skip_special_tokens: bool = True
     # What each `RequestOutput` of the request holds (vLLM's RequestOutputKind): "cumulative"
     # (everything so far), "delta" (token_ids / text / logprobs: only what is new since the
     # last output) or "final_only" (no output until it finishes, then everything). The last
@@ -97,7 +100,8 @@ class SamplingParams:
         ids = tuple(self.stop_token_ids)
         _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids) and len(ids) <= MAX_STOP_TOKEN_IDS,
                f"stop_token_ids={self.stop_token_ids!r} must be at most {MAX_STOP_TOKEN_IDS} integers in [0, 2**31 - 1]")
-        _check(isinstance(self.speculative, bool), f"speculative={self.speculative!r} must be a bool")
+        for name in ("speculative", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r} must be a bool")
         _check(_is_real(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE,
                f"repetition_penalty={self.repetition_penalty!r} must be a number in (0, {MAX_TEMPERATURE:g}] (1 = off)")
         for name in ("frequency_penalty", "presence_penalty"):

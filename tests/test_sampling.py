@@ -43,6 +43,8 @@ def arrays(n=1, **kw) -> SamplingArrays:
         ({"top_k": True}, "top_k"),
         ({"stop": ("x",) * (MAX_STOP_STRINGS + 1)}, "stop"),
         ({"stop_token_ids": (1,) * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"speculative": 1}, "speculative"),
     ],
 )
 def test_invalid_parameters_name_the_field(kwargs, field):

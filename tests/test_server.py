@@ -421,6 +421,17 @@ def test_auto_tool_calls_parsed_from_the_answer(model, client):
         s.stop()
 
 
+def test_skip_special_tokens(client):
+    """vLLM's `skip_special_tokens`: special tokens leave the text unless it is False (the
+    model is pushed to write `<|im_start|>`, id 1, by logit bias)."""
+    kw = dict(model=NAME, prompt="Hi", max_tokens=4, temperature=0, logit_bias={"1": 100})
+    assert client.completions.create(**kw).choices[0].text == ""
+    text = client.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert text == "<|im_start|>" * 4
+    streamed = client.completions.create(**kw, stream=True, extra_body={"skip_special_tokens": False})
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
 def test_errors_have_openai_shape_and_disturb_nothing(srv, model):
     body = {"model": NAME, "prompt": "In flight", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
     want = engine_text(model, model.tokenizer.encode("In flight"), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

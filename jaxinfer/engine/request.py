@@ -104,7 +104,7 @@ class Request:
         self.block_hashes: list[bytes] | None = None  # computed on first admission
         self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt))
         self.text = ""
-        self._decoder: StreamDecoder | None = tokenizer.stream_decoder() if tokenizer else None
+        self._decoder: StreamDecoder | None = tokenizer.stream_decoder(params.skip_special_tokens) if tokenizer else None
         self._emitted_text = 0
         self._emitted_tokens = 0
         self._hold = max((len(s) for s in params.stop), default=1) - 1  # chars a stop string may claim

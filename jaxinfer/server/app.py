@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -324,6 +325,11 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     model = server.check_model(body)
     ids = server.chat_ids(body)
     params = server.params(body, ids, default_max_tokens=None)
+    # "auto" with a parser: the model may write calls in its text (`HermesCalls`), whose tags
+    # some tokenizers make special tokens: kept in the text (as vLLM's parsers do)
+    parsed = bool(body.tools) and body.effective_tool_choice == "auto" and server.tool_call_parser is not None
+    if parsed:
+        params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     sink, rids = await server.submit([ids] * len(params), params, body.salt)
     rid, created = new_id("chatcmpl"), now()
 
@@ -340,8 +346,6 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     choice = body.effective_tool_choice if body.calls_tools else None  # the answer is a constrained call
     required = choice == "required"  # a JSON array of calls, sent whole once complete
     named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
-    # "auto" with a parser: the model may write calls in its text (`HermesCalls`)
-    parsed = bool(body.tools) and body.effective_tool_choice == "auto" and server.tool_call_parser is not None
 
     def finish(out, calls) -> str:
         return "tool_calls" if (required or parsed) and calls and out.finish_reason == "stop" else out.finish_reason

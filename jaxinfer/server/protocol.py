@@ -72,6 +72,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None  # extra
     include_stop_str_in_output: bool = False  # extra (vLLM's)
     ignore_eos: bool = False  # extra
+    skip_special_tokens: bool = True  # extra (vLLM's): False keeps special tokens in the text
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,6 +94,7 @@ class _Common(BaseModel):
                     min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=tuple(stop),
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                    skip_special_tokens=self.skip_special_tokens,
                     logprobs=self.num_logprobs, frequency_penalty=self.frequency_penalty,
                     presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
                     logit_bias=self._logit_bias(), structured_outputs=self.structured(),
