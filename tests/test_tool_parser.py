@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.server.tools import HermesCalls
+from jaxinfer.server.tools import HermesCalls, RequiredCalls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 PING = '<tool_call>{"name": "ping", "parameters": {}}</tool_call>'
@@ -60,3 +60,50 @@ def test_streamed_in_any_pieces_equals_parsed_whole(parts, cuts):
     whole_content, whole_calls = HermesCalls.parse(text)
     assert named(calls) == named(whole_calls) and [c["index"] for c in calls] == list(range(len(calls)))
     assert (content.strip() or None if whole_calls else content) == whole_content
+
+
+CALLS = [{"name": "set_unit", "parameters": {"unit": "c", "note": 'she wrote "}" and "[", \\ é'}},
+         {"parameters": {}, "name": "ping"}, {"name": "nest", "parameters": {"a": [1, {"b": None}], "c": 2.5}}]
+
+
+def reassembled(deltas):
+    """Calls rebuilt from streamed deltas as OpenAI clients do: by index, arguments appended."""
+    calls = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+        call["id"] = d.get("id") or call["id"]
+        call["name"] = d.get("function", {}).get("name") or call["name"]
+        call["arguments"] += d["function"].get("arguments") or ""
+    return calls
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(CALLS), min_size=1, max_size=3), st.lists(st.integers(0, 300), max_size=10))
+def test_required_calls_streamed_in_any_pieces_equal_the_whole_answer(calls, cuts):
+    """A "required" answer (compact JSON, `constraint`) streamed in any pieces: each call's
+    header once, before its arguments; the arguments reassemble to the value as written."""
+    text = json.dumps(calls, separators=(",", ":"), ensure_ascii=False)
+    whole = RequiredCalls.parse(text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == [
+        (c["name"], c["parameters"]) for c in calls]
+    reader, deltas = RequiredCalls(), []
+    cuts = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    for a, b in zip(cuts, cuts[1:]):
+        deltas += reader.feed(text[a:b])
+    assert reader.closed
+    headers = [d for d in deltas if "id" in d]
+    assert [d["index"] for d in headers] == list(range(len(calls)))  # one header per call, in order
+    for h in headers:  # a call's header comes before any of its arguments
+        first = next(i for i, d in enumerate(deltas) if d["index"] == h["index"])
+        assert deltas[first] is h
+    assert [(c["name"], c["arguments"]) for c in reassembled(deltas).values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole]
+
+
+def test_required_calls_cut_short_do_not_parse():
+    text = json.dumps(CALLS, separators=(",", ":"))
+    for end in (0, 1, 20, len(text) - 1):
+        assert RequiredCalls.parse(text[:end]) is None
+    reader = RequiredCalls()
+    deltas = reader.feed(text[:30])  # the first call's name is complete: its header is out
+    assert deltas[0]["function"]["name"] == "set_unit" and not reader.closed

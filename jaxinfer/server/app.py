@@ -34,7 +34,7 @@ from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_lo
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
-from jaxinfer.server.tools import TOOL_CALL_PARSERS, HermesCalls, parse_calls, tool_call
+from jaxinfer.server.tools import TOOL_CALL_PARSERS, HermesCalls, RequiredCalls, parse_calls, tool_call
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -344,7 +344,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         return chat_logprobs(server.tokenizer, *tokens_of(out, new_only)) if body.logprobs else None
 
     choice = body.effective_tool_choice if body.calls_tools else None  # the answer is a constrained call
-    required = choice == "required"  # a JSON array of calls, sent whole once complete
+    required = choice == "required"  # a JSON array of calls, each streamed as it is written
     named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
 
     def finish(out, calls) -> str:
@@ -358,25 +358,26 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             for i in range(len(rids)):
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]))
-            generated, texts = 0, [""] * len(rids)
+            generated, started = 0, [False] * len(rids)
+            readers = [RequiredCalls() for _ in rids]  # "required": the calls as they are written
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
-                if (out.delta_text or (body.logprobs and out.delta_token_ids)) and not required:
-                    delta = {"content": out.delta_text}
-                    if named is not None:
-                        delta = {"tool_calls": [tool_call(named, out.delta_text, index=0) if not texts[index] else
-                                                {"index": 0, "function": {"arguments": out.delta_text}}]}
+                text, with_logprobs = out.delta_text, bool(body.logprobs and out.delta_token_ids)
+                if required:
+                    deltas = readers[index].feed(text)
+                    delta = {"tool_calls": deltas} if deltas else {}
+                elif named is not None and (text or not started[index]):
+                    delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}} if started[index] else
+                                            tool_call(named, text, index=0)]}
+                    started[index] = True
+                else:
+                    delta = {"content": text} if text or with_logprobs else {}
+                if delta or with_logprobs:
                     yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out), "finish_reason": None}]))
-                texts[index] += out.delta_text
-                calls = None
-                if out.finished and required:
-                    calls = parse_calls(texts[index], choice)
-                    delta = ({"tool_calls": [c | {"index": j} for j, c in enumerate(calls)]} if calls else
-                             {"content": texts[index]})  # cut short: the text as it is
-                    yield _sse(chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
                 if out.finished:
+                    called = required and readers[index].closed and out.finish_reason == "stop"
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
-                                       "finish_reason": finish(out, calls)}]))
+                                       "finish_reason": "tool_calls" if called else out.finish_reason}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
             yield DONE

@@ -62,12 +62,93 @@ def parse_calls(text: str, tool_choice: Any) -> list[dict[str, Any]] | None:
     """The OpenAI `tool_calls` of a constrained answer, or None if it does not parse (an answer
     cut short by max_tokens)."""
     if tool_choice == "required":
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False, separators=(",", ":"))) for c in calls]
+        return RequiredCalls.parse(text)
     return [tool_call(tool_choice.function.name, text)]
+
+
+class RequiredCalls:
+    """The calls of a "required" answer, a JSON array of `{"name", "parameters"}` objects
+    (`constraint`), read as the model writes it: `feed` returns OpenAI's streamed
+    `tool_calls` deltas, a call's id and name once its name is complete, then its arguments
+    (the `parameters` value as written) piece by piece. A small scanner of JSON's nesting and
+    strings; the grammar guarantees the text is JSON of that shape, cut short at worst."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._depth = 0  # brackets and braces open: 1 in the array, 2 in a call object
+        self._in_string = self._escaped = False
+        self._string_start = 0
+        self._expect_key = False  # in a call object, the next string is a key
+        self._key: str | None = None  # the key whose value is being read
+        self._calls: list[dict[str, Any]] = []  # {"name", "start" of its arguments, "end", "sent"}
+        self.closed = False  # the array is complete
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The `tool_calls` deltas `text` completes (each with its call's `index`)."""
+        begin = len(self._text)
+        self._text += text
+        for i in range(begin, len(self._text)):
+            self._scan(i, self._text[i])
+        return [delta for index, call in enumerate(self._calls) for delta in self._deltas(index, call)]
+
+    def _scan(self, i: int, ch: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self._in_string = False
+                if self._depth == 2:
+                    self._string_done(json.loads(self._text[self._string_start : i + 1]))
+        elif ch == '"':
+            self._in_string, self._string_start = True, i
+        elif ch in "[{":
+            self._depth += 1
+            if self._depth == 2:
+                self._calls.append({"name": None, "start": None, "end": None, "sent": -1})
+                self._expect_key = True
+        elif ch in "]}" or (ch == "," and self._depth == 2):
+            if self._depth == 2:  # a value of the call object ends here
+                call = self._calls[-1]
+                if self._key == "parameters" and call["end"] is None:
+                    call["end"] = i
+                self._key, self._expect_key = None, ch == ","
+            if ch != ",":
+                self._depth -= 1
+                self.closed = self._depth == 0
+        elif ch == ":" and self._depth == 2 and self._key == "parameters":
+            self._calls[-1]["start"] = i + 1
+
+    def _string_done(self, value: str) -> None:
+        if self._expect_key:
+            self._key, self._expect_key = value, False
+        elif self._key == "name":
+            self._calls[-1]["name"] = value
+
+    def _deltas(self, index: int, call: dict[str, Any]) -> list[dict[str, Any]]:
+        if call["name"] is None:
+            return []  # held until the name is known (it may follow the arguments)
+        out = []
+        if call["sent"] < 0:
+            out.append(tool_call(call["name"], "", index))
+            call["sent"] = 0
+        if call["start"] is not None:
+            end = len(self._text) if call["end"] is None else call["end"]
+            piece = self._text[call["start"] + call["sent"] : end]
+            if piece:
+                out.append({"index": index, "function": {"arguments": piece}})
+                call["sent"] += len(piece)
+        return out
+
+    @classmethod
+    def parse(cls, text: str) -> list[dict[str, Any]] | None:
+        """A whole answer's calls, or None if it is not a complete array of them."""
+        reader = cls()
+        reader.feed(text)
+        if not reader.closed or any(c["name"] is None or c["end"] is None for c in reader._calls):
+            return None
+        return [tool_call(c["name"], text[c["start"] : c["end"]]) for c in reader._calls]
 
 
 def tool_call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
