@@ -421,6 +421,54 @@ def test_auto_tool_calls_parsed_from_the_answer(model, client):
         s.stop()
 
 
+def test_responses_api(srv, client):
+    """`/v1/responses` (OpenAI's Responses API) answers as chat does for the same conversation:
+    text, streamed events, a format, function calls, earlier calls in the input; what it
+    cannot serve is a 400 naming the field."""
+    kw = dict(model=NAME, input="Hello there", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=NAME, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    r = client.responses.create(**kw)
+    assert r.output_text == chat.choices[0].message.content and r.id.startswith("resp")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # chat: "length"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].content[0].text == r.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    with client.responses.stream(**(kw | {"max_output_tokens": 20}), extra_body={"guided_choice": ["yes", "no"]}) as s:
+        final = s.get_final_response()  # vLLM's extras pass through to the chat request
+    assert final.status == "completed" and final.output_text in ("yes", "no")
+
+    unit = {"type": "function", "name": "set_unit", "parameters": UNIT}
+    calls = dict(model=NAME, input="Unit?", tools=[unit], max_output_tokens=30, temperature=0, parallel_tool_calls=False)
+    r = client.responses.create(tool_choice="required", **calls)
+    assert [(o.type, o.name, json.loads(o.arguments)["unit"] in "cf") for o in r.output] == [
+        ("function_call", "set_unit", True)] and r.output[0].call_id.startswith("call_")
+    named = client.responses.create(tool_choice={"type": "function", "name": "set_unit"}, stream=True, **calls)
+    pieces = [e for e in named if e.type.startswith("response.function_call_arguments")]
+    assert "".join(e.delta for e in pieces[:-1]) == pieces[-1].arguments == r.output[0].arguments
+    history = [{"role": "user", "content": "Unit?"},
+               {"type": "function_call", "call_id": "c1", "name": "set_unit", "arguments": '{"unit":"c"}'},
+               {"type": "function_call_output", "call_id": "c1", "output": "done"}]
+    r = client.responses.create(model=NAME, input=history, max_output_tokens=2, temperature=0)
+    rendered = httpx.post(f"{srv.url}/tokenize", json={"messages": [
+        history[0], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "set_unit", "arguments": '{"unit":"c"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]}).json()
+    assert r.usage.input_tokens == rendered["count"]
+    for bad, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+                        "input.0.content.0"),
+                       ({"tools": [{"type": "web_search"}]}, "tools.0.type"), ({"input": [{"type": "reasoning"}]}, "input.0.type"),
+                       ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"input": [{"role": "robot"}]}, "input"),
+                       ({"max_output_tokens": 0}, "max_output_tokens"), ({"model": "nope"}, "model")]:
+        err = httpx.post(f"{srv.url}/v1/responses", json={"model": NAME, "input": "x"} | bad, timeout=T)
+        assert err.status_code in (400, 404) and err.json()["error"]["param"] == param, (bad, err.text)
+
+
 def test_skip_special_tokens(client):
     """vLLM's `skip_special_tokens`: special tokens leave the text unless it is False (the
     model is pushed to write `<|im_start|>`, id 1, by logit bias)."""

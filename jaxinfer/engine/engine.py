@@ -795,7 +795,8 @@ class Engine:
         the plain step, for steps with nothing to verify or too many rows). Each at max_slots
         decode rows (they serve any step); then the decode-only programs of the smaller row
         buckets, in the same order. With `penalized`, then the programs that apply penalties,
-        logit bias and grammars, in the smallest and the largest bucket."""
+        logit bias and grammars, in the smallest and the largest bucket (none on a mesh spanning
+        several processes, where such requests are refused)."""
         drafts = [0]
         if self.spec_stats:
             sc = self.config.speculative
@@ -804,7 +805,7 @@ class Engine:
         order = [buckets[0]] + ([buckets[-1]] if len(buckets) > 1 else []) + buckets[1:-1]
         keys = [(w, prefill, d, full, False) for w in order for prefill in (True, False) for d in drafts]
         keys += [(w, False, d, r, False) for w in order for r in self.decode_row_buckets if r < full for d in drafts]
-        if penalized:  # the smallest and the largest bucket serve every context length
+        if penalized and self._channel is None:  # (refused across processes) smallest + largest: every length
             ends = {buckets[0], buckets[-1]}
             keys += [(*key[:4], True) for key in keys if key[0] in ends]
         return keys
@@ -836,7 +837,7 @@ class Engine:
         tables = jax.ShapeDtypeStruct(self.kv.block_tables.shape, jnp.int32, sharding=self.kv.block_tables.sharding)
         with self._compiles.attribute():
             self._apply_tables.lower(tables, self._place_updates(self._tables.idle())).compile()
-            if penalized:
+            if penalized and self._channel is None:
                 row = slot_history(self.model.config.vocab_size, [], [])
                 set_slot.lower(self._penalty_shapes(), np.int32(0), row).compile()
         if self.config.async_scheduling:

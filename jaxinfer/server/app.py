@@ -34,6 +34,7 @@ from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_lo
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
+from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, to_response
 from jaxinfer.server.tools import TOOL_CALL_PARSERS, HermesCalls, RequiredCalls, parse_calls, tool_call
 
 T = TypeVar("T")
@@ -430,6 +431,16 @@ async def _parsed_stream(server: OpenAIServer, raw: Request, body: ChatCompletio
     yield DONE
 
 
+async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):
+    """OpenAI's Responses API, answered by the chat endpoint (`jaxinfer.server.responses`)."""
+    chat = body.to_chat()
+    answer = await chat_completions(server, raw, chat)
+    if not body.stream:
+        return to_response(body, answer)
+    events = ResponseEvents(body, server.check_model(chat))
+    return StreamingResponse(_guarded(events.translate(answer.body_iterator), raw), media_type="text/event-stream")
+
+
 async def _collect(server: OpenAIServer, raw: Request, sink: Sink, rids: list[str]):
     """The final output of every choice, in index order (empty if the client left)."""
     finals = {}
@@ -529,6 +540,10 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def post_chat(body: ChatCompletionRequest, raw: Request):
         return await chat_completions(server, raw, body)
+
+    @app.post("/v1/responses")
+    async def post_responses(body: ResponsesRequest, raw: Request):
+        return await responses(server, raw, body)
 
     return app
 

@@ -1,0 +1,286 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat endpoint.
+
+A request becomes a chat completion (`to_chat`): `instructions` a system message, `input`
+(a string, or messages and earlier `function_call` / `function_call_output` items) the
+conversation, `text.format` the response format, function `tools` and `tool_choice` the
+same fields of chat. The chat answer becomes a response (`to_response`): a `message` item
+holding `output_text`, or `function_call` items. Streamed, the chat chunks become the
+Responses events (`ResponseEvents`): `response.created`, `response.output_text.delta`,
+`response.function_call_arguments.delta`, ... `response.completed`.
+
+Nothing is stored (`store` is false): `previous_response_id` is refused; send the whole
+conversation in `input`, as stateless clients do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxinfer.server.protocol import ChatCompletionRequest, ErrorBody, new_id, now
+
+TEXT_PARTS = ("input_text", "output_text", "text")  # content parts that are text
+# chat fields a response request may also send; the rest have Responses' own names, or would
+# make an answer a response cannot hold (n choices, chat-shaped logprobs)
+CHAT_EXTRAS = frozenset(ChatCompletionRequest.model_fields) - {
+    "messages", "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "tools", "tool_choice",
+    "response_format", "logprobs", "top_logprobs", "model", "user", "temperature", "top_p", "parallel_tool_calls"}
+
+
+class ResponsesRequest(BaseModel):
+    """The fields of `POST /v1/responses` this server serves (others are ignored)."""
+
+    # other fields pass to the chat request where chat has them (vLLM's extras: top_k, seed,
+    # structured_outputs, ...; `CHAT_EXTRAS`), else they are ignored
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stream: bool = False
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    tools: list[dict[str, Any]] | None = None  # function tools: {"type": "function", "name", "parameters", ...}
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat completion this asks for (ErrorBody 400 naming the field if it cannot be)."""
+        if self.previous_response_id is not None:
+            raise ErrorBody(400, "previous_response_id: this server stores no responses; send the whole "
+                                 "conversation in input", param="previous_response_id")
+        chat: dict[str, Any] = {"messages": self._messages(), "stream": self.stream, "temperature": self.temperature,
+                                "top_p": self.top_p, "stream_options": {"include_usage": True} if self.stream else None}
+        chat |= {name: value for name, value in (self.model_extra or {}).items() if name in CHAT_EXTRAS}
+        for name in ("model", "user", "parallel_tool_calls"):
+            if (value := getattr(self, name)) is not None:
+                chat[name] = value
+        if self.max_output_tokens is not None:
+            chat["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            chat["tools"] = [self._tool(i, tool) for i, tool in enumerate(self.tools)]
+        if isinstance(self.tool_choice, dict):
+            chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.get("name")}}
+        elif self.tool_choice is not None:
+            chat["tool_choice"] = self.tool_choice
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if fmt.get("type") == "json_schema":
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}}
+        elif fmt.get("type") in ("json_object", "text"):
+            chat["response_format"] = {"type": fmt["type"]}
+        else:
+            raise ErrorBody(400, f"text.format: type {fmt.get('type')!r} must be 'text', 'json_object' or "
+                                 "'json_schema'", param="text.format")
+        try:
+            return ChatCompletionRequest.model_validate(chat)
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = str(first["loc"][0]) if first.get("loc") else None  # chat's name -> Responses'
+            param = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                     "response_format": "text.format"}.get(field, field)
+            raise ErrorBody(400, f"{param}: {first.get('msg')}", param=param) from None
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        if isinstance(self.input, str):
+            return messages + [{"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                messages.append({"role": item.get("role"), "content": _text(item.get("content"), f"input.{i}.content")})
+            elif kind == "function_call":  # an earlier call: joins the assistant message before it, if any
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                                 "content": output if isinstance(output, str) else json.dumps(output)})
+            else:
+                raise ErrorBody(400, f"input.{i}: items of type {kind!r} are not supported (message, function_call, "
+                                     "function_call_output are)", param=f"input.{i}.type")
+        return messages
+
+    @staticmethod
+    def _tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+        if tool.get("type") != "function":
+            raise ErrorBody(400, f"tools.{i}: type {tool.get('type')!r} is not supported (function tools are)",
+                            param=f"tools.{i}.type")
+        return {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters", "strict")
+                                                 if key in tool}}
+
+    def echo(self) -> dict[str, Any]:
+        """The request's settings a response repeats."""
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "tools": self.tools or [],
+                "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "text": self.text or {"format": {"type": "text"}}, "metadata": self.metadata or {},
+                "previous_response_id": None, "store": False, "user": self.user}
+
+
+def _text(content: Any, param: str) -> str | None:
+    """A message's content as text: a string, or its text parts joined (other parts refused)."""
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content if isinstance(content, list) else [content]):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ErrorBody(400, f"{param}.{j}: content of type {kind!r} is not supported (text is)", param=f"{param}.{j}")
+        texts.append(part.get("text", ""))
+    return "".join(texts)
+
+
+def usage(chat_usage: dict[str, int]) -> dict[str, Any]:
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"] if status == "completed" else "", "status": status}
+
+
+def response_object(response_id: str, created: int, model: str, request: ResponsesRequest,
+                    output: list[dict[str, Any]], finish_reason: str | None, chat_usage: dict[str, int] | None) -> dict:
+    """A response; `finish_reason` None: still in progress."""
+    status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
+    return {"id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "usage": None if chat_usage is None else usage(chat_usage)} | request.echo()
+
+
+def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion (one choice) as a response."""
+    choice = completion["choices"][0]
+    message, output = choice["message"], []
+    if message.get("content"):
+        output.append(message_item(new_id("msg"), message["content"]))
+    for call in message.get("tool_calls") or []:
+        output.append(call_item(new_id("fc"), call))
+    return response_object(new_id("resp"), completion["created"], completion["model"], request, output,
+                           choice["finish_reason"], completion["usage"])
+
+
+class ResponseEvents:
+    """Chat chunks (one choice) -> Responses stream events."""
+
+    def __init__(self, request: ResponsesRequest, model: str) -> None:
+        self.request, self.model = request, model
+        self.id, self.created = new_id("resp"), now()
+        self.output: list[dict[str, Any]] = []  # items, completed as they close
+        self._open: dict[str, Any] | None = None  # the item being written: message or function call
+        self._calls: dict[int, int] = {}  # tool-call index -> its item's output index
+        self._sequence = 0
+        self._finish: str | None = None
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        self._sequence += 1
+        data = {"type": kind, "sequence_number": self._sequence} | fields
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _response(self, usage_: dict[str, int] | None = None) -> dict[str, Any]:
+        return response_object(self.id, self.created, self.model, self.request, self.output, self._finish, usage_)
+
+    def start(self) -> list[str]:
+        return [self._event("response.created", response=self._response()),
+                self._event("response.in_progress", response=self._response())]
+
+    def chunk(self, data: dict[str, Any]) -> list[str]:
+        """The events of one chat chunk (an error object becomes an `error` event)."""
+        if "error" in data:
+            error = data["error"]
+            return [self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))]
+        events = []
+        for choice in data.get("choices", []):
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._call(call)
+            if choice.get("finish_reason"):
+                events += self._close()
+                self._finish = choice["finish_reason"]
+        if data.get("usage") is not None:
+            kind = "response.incomplete" if self._finish == "length" else "response.completed"
+            events.append(self._event(kind, response=self._response(data["usage"])))
+        return events
+
+    def _text(self, text: str) -> list[str]:
+        events = []
+        if self._open is None or self._open["type"] != "message":
+            events += self._close()
+            item = message_item(new_id("msg"), "", status="in_progress")
+            self._open = item | {"text": ""}
+            index = len(self.output)
+            events += [self._event("response.output_item.added", output_index=index, item=item),
+                       self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                                   part={"type": "output_text", "text": "", "annotations": []})]
+        self._open["text"] += text
+        return events + [self._event("response.output_text.delta", item_id=self._open["id"], output_index=len(self.output),
+                                     content_index=0, delta=text, logprobs=[])]
+
+    def _call(self, call: dict[str, Any]) -> list[str]:
+        events = []
+        if call["index"] not in self._calls:  # a call's first delta: its id and name
+            events += self._close()
+            item = call_item(new_id("fc"), call, status="in_progress")
+            self._calls[call["index"]] = len(self.output)
+            self._open = item
+            events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
+        piece = call["function"].get("arguments") or ""
+        if piece:
+            self._open["arguments"] += piece
+            events.append(self._event("response.function_call_arguments.delta", item_id=self._open["id"],
+                                      output_index=len(self.output), delta=piece))
+        return events
+
+    def _close(self) -> list[str]:
+        """Finish the item being written (if any)."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self.output)
+        if item["type"] == "message":
+            done = message_item(item["id"], item["text"])
+            part = done["content"][0]
+            events = [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                  text=item["text"], logprobs=[]),
+                      self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                                  part=part)]
+        else:
+            done = item | {"status": "completed"}
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"], name=item["name"])]
+        self.output.append(done)
+        return events + [self._event("response.output_item.done", output_index=index, item=done)]
+
+    async def translate(self, chat_sse: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The chat stream's SSE lines -> this stream's."""
+        for event in self.start():
+            yield event
+        async for line in chat_sse:
+            if not line.startswith("data: {"):
+                continue  # [DONE]: response.completed already went out with the usage
+            for event in self.chunk(json.loads(line[len("data: "):])):
+                yield event
