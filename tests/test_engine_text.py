@@ -136,7 +136,7 @@ class _PieceTokenizer:
     def __init__(self, pieces: list[str]):
         self.pieces = pieces
 
-    def stream_decoder(self) -> _PieceDecoder:
+    def stream_decoder(self, skip_special_tokens: bool = True) -> _PieceDecoder:
         return _PieceDecoder(self.pieces)
 
 
