@@ -13,7 +13,10 @@ would not have):
   bucket) with layers under `lax.scan` over the same program unrolled;
 - bucket_step_ms: one decode step's wall ms at each context-bucket width (the gather width
   a short context pays without narrower buckets; warmup_cpu_s / compiled_programs is what
-  one more bucket's two programs would cost).
+  one more bucket's two programs would cost);
+- first_constrained_request_s: wall seconds of the first request with a JSON schema after
+  `warmup()` and after `warmup(penalized=True)` (what `jaxinfer serve` compiles), and a plain
+  request's beside them; penalized_warmup_cpu_s: CPU seconds of each warm-up.
 
     python benchmarks/startup.py            # ~10 minutes on 2 cores
 """
@@ -71,6 +74,26 @@ print(json.dumps({"warmup_cpu_s": warmup, "compiled_programs": engine.metrics().
                   "programs": len(engine.program_keys()), "bucket_step_ms": steps}))
 """
 
+CONSTRAINED = """
+import json, sys, time
+from jaxinfer import SamplingParams, StructuredOutputsParams, load_model
+from jaxinfer.engine import Engine, EngineConfig
+engine = Engine(load_model(progress=False), EngineConfig(compilation_cache=False))
+t = time.process_time()
+engine.warmup(penalized={penalized})
+warmup = time.process_time() - t
+chat = [[{{"role": "user", "content": "Give the capital of France as JSON."}}]]
+schema = StructuredOutputsParams(json={{"type": "object", "properties": {{"capital": {{"type": "string"}}}},
+                                        "required": ["capital"]}})
+out = {{"warmup_cpu_s": warmup}}
+for name, params in (("plain", SamplingParams(max_tokens=16, temperature=0)),
+                     ("constrained", SamplingParams(max_tokens=16, temperature=0, structured_outputs=schema))):
+    t = time.perf_counter()
+    engine.generate(chat, params)
+    out[name] = time.perf_counter() - t
+print(json.dumps(out))
+"""
+
 SCAN = """
 import dataclasses, json, time
 from jaxinfer import load_model
@@ -117,6 +140,9 @@ def main() -> None:
         first = first_token_s(env)
         second = first_token_s(env)
         print(f"first token: {first:.1f} s cold, {second:.1f} s with the compilation cache", file=sys.stderr, flush=True)
+        constrained = {name: in_subprocess(CONSTRAINED.format(penalized=penalized), env)
+                       for name, penalized in (("plain_warmup", False), ("penalized_warmup", True))}
+        print(f"first constrained request: {constrained}", file=sys.stderr, flush=True)
     try:
         scan = in_subprocess(SCAN)["compile_cpu_s"]
         ratio = scan["scan"] / scan["unroll"]
@@ -135,6 +161,9 @@ def main() -> None:
         "scan_compile_ratio": None if ratio is None else round(ratio, 3),
         "compile_cpu_s": scan,
         "bucket_step_ms": {w: round(ms, 1) for w, ms in sorted(widths.items())},
+        "first_constrained_request_s": {name: round(c["constrained"], 2) for name, c in constrained.items()},
+        "first_plain_request_s": {name: round(c["plain"], 2) for name, c in constrained.items()},
+        "penalized_warmup_cpu_s": {name: round(c["warmup_cpu_s"], 1) for name, c in constrained.items()},
     }))
 
 

@@ -367,10 +367,12 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                 if required:
                     deltas = readers[index].feed(text)
                     delta = {"tool_calls": deltas} if deltas else {}
-                elif named is not None and (text or not started[index]):
-                    delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}} if started[index] else
-                                            tool_call(named, text, index=0)]}
-                    started[index] = True
+                elif named is not None:  # the call's id and name first, then its arguments
+                    delta = {}
+                    if text or not started[index]:
+                        delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}} if started[index] else
+                                                tool_call(named, text, index=0)]}
+                        started[index] = True
                 else:
                     delta = {"content": text} if text or with_logprobs else {}
                 if delta or with_logprobs:

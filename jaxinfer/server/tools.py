@@ -1,9 +1,9 @@
-"""Function calling for `/v1/chat/completions`, as vLLM does it without a model-specific parser.
+"""Function calling for `/v1/chat/completions` (and `/v1/responses`), as vLLM does it.
 
 `tool_choice` names a function, or is "required": the output is constrained (structured
 output, `jaxinfer.structured_output`) to that function's arguments, or to a JSON array of
-`{"name", "parameters"}` calls of the listed tools, so every answer parses into `tool_calls`.
-"none" answers in text, and so does "auto" (OpenAI's default when tools are sent) unless the
+`{"name", "parameters"}` calls of the listed tools (`RequiredCalls` reads it as it streams),
+so every answer parses into `tool_calls`. "none" answers in text, and so does "auto" (OpenAI's default when tools are sent) unless the
 server has a parser of the model family's own call syntax (`jaxinfer serve --tool-call-parser
 hermes`, as in vLLM): then the calls the model writes in its text come back as `tool_calls`
 (`HermesCalls`). Without one, "auto" answers in text (vLLM refuses it; answering keeps
