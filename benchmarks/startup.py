@@ -18,7 +18,7 @@ would not have):
   `warmup()` and after `warmup(penalized=True)` (what `jaxinfer serve` compiles), and a plain
   request's beside them; penalized_warmup_cpu_s: CPU seconds of each warm-up.
 
-    python benchmarks/startup.py            # ~10 minutes on 2 cores
+    python benchmarks/startup.py            # 3-10 minutes on 2 cores
 """
 
 from __future__ import annotations
