@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", default=None,
                      help="with tool_choice 'auto' (the default when tools are sent), return the calls the model "
                           "writes in its answer as tool_calls: 'hermes' for <tool_call>{json}</tool_call> (Hermes, "
-                          "Qwen 2.5/3, SmolLM3); without it 'auto' answers in text")
+                          "Qwen 2.5/3, SmolLM3), 'llama3_json' for an answer that is {json} calls (Llama 3.1/3.2); "
+                          "without it 'auto' answers in text")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted as vLLM has it; needs --tool-call-parser, which alone turns parsing on")
     srv.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
@@ -362,12 +363,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.engine.multihost import spans_processes
     from jaxinfer.server import build_server, serve
-    from jaxinfer.server.tools import TOOL_CALL_PARSERS
+    from jaxinfer.server.tools import call_parser
 
-    if args.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r}: the parsers are {', '.join(TOOL_CALL_PARSERS)}")
+    call_parser(args.tool_call_parser)  # a bad name is refused before the model loads
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     mesh = _mesh(args)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,

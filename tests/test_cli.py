@@ -76,7 +76,7 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
                         (("--temperatures", "3"), "temperatures"), (("--self-prompts", "-2"), "self_prompts")]:
         status, err = run_main(capsys, "train-draft", "--kind", "eagle", "--out", str(tmp_path / "head"), *args)
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
-    for args, named in [(("--tool-call-parser", "mistral"), "--tool-call-parser 'mistral'"),
+    for args, named in [(("--tool-call-parser", "mistral"), "tool_call_parser='mistral': the parsers are hermes, llama3_json"),
                         (("--enable-auto-tool-choice",), "needs --tool-call-parser")]:
         status, err = run_main(capsys, "serve", *args)  # refused before the model loads
         assert status == 2 and named in err and "Traceback" not in err, (args, err)

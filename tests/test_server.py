@@ -388,8 +388,8 @@ def test_tool_calls(srv, client):
 
 
 def test_auto_tool_calls_parsed_from_the_answer(model, client):
-    """With `tool_call_parser="hermes"`, tool choice "auto" returns the calls the model writes
-    (`<tool_call>{json}</tool_call>`) as `tool_calls`, streamed or not, and the rest as content;
+    """With `tool_call_parser="hermes"` (or "llama3_json"), tool choice "auto" returns the calls
+    the model writes (`<tool_call>{json}</tool_call>`) as `tool_calls`, streamed or not, and the rest as content;
     an answer without calls is plain text. The tiny model is made to write one by a choice
     constraint."""
     s = ServerThread(build_server(model, ENGINE, NAME, warmup=False, tool_call_parser="hermes"))
@@ -417,6 +417,19 @@ def test_auto_tool_calls_parsed_from_the_answer(model, client):
         assert text.choices[0].message.content == answer and text.choices[0].message.tool_calls is None
         with pytest.raises(ValueError, match="tool_call_parser"):
             build_server(model, ENGINE, NAME, warmup=False, tool_call_parser="mistral")
+    finally:
+        s.stop()
+    s = ServerThread(build_server(model, ENGINE, NAME, warmup=False, tool_call_parser="llama3_json"))
+    try:  # Llama 3's JSON calls: the whole answer is the call
+        llama = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=T)
+        answer = '{"name": "set_unit", "parameters": {"unit": "f"}}'
+        kw |= {"extra_body": {"structured_outputs": {"choice": [answer]}}}
+        r = llama.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls] == [
+            ("set_unit", '{"unit": "f"}')]
+        calls, finish = _streamed_calls(llama.chat.completions.create(stream=True, **kw))
+        assert calls == {0: {"name": "set_unit", "arguments": '{"unit": "f"}'}} and finish == "tool_calls"
     finally:
         s.stop()
 

@@ -1,5 +1,7 @@
-"""`HermesCalls`: tool calls written in the answer's text (`<tool_call>{json}</tool_call>`),
-parsed whole and as the text streams in pieces (the same content and calls either way)."""
+"""Tool calls in an answer's text (`HermesCalls`: `<tool_call>{json}</tool_call>`;
+`Llama3JsonCalls`: the answer is `{json}` calls), parsed whole and as the text streams in
+pieces (the same content and calls either way); the calls of a "required" answer as it
+streams (`RequiredCalls`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.server.tools import HermesCalls, RequiredCalls
+from jaxinfer.server.tools import HermesCalls, Llama3JsonCalls, RequiredCalls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 PING = '<tool_call>{"name": "ping", "parameters": {}}</tool_call>'
@@ -45,19 +47,40 @@ def test_streaming_holds_back_only_what_may_start_a_call():
     assert parser.finish() == ("", []) and parser.calls == 1
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(["Hi ", WEATHER, PING, "<tool_call>bad</tool_call>", "<", "_call>", " x", "\n"]),
-                max_size=6), st.lists(st.integers(0, 400), max_size=8))
-def test_streamed_in_any_pieces_equals_parsed_whole(parts, cuts):
+def test_llama3_json_calls_are_the_whole_answer():
+    weather = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+    content, calls = Llama3JsonCalls.parse("<|python_tag|>" + weather + "; " + '{"name": "ping", "arguments": {}}')
+    assert content is None and named(calls) == [("get_weather", {"city": "Paris", "days": 2}), ("ping", {})]
+    assert named(Llama3JsonCalls.parse("\n " + weather)[1]) == [("get_weather", {"city": "Paris", "days": 2})]
+    # text, or anything that is not wholly calls: content as written
+    for text in ("The weather is fine.", '{"city": "Paris"}', weather + " and then some", "{not json", "<|python_tag|>",
+                 '[{"name": "x"}]', " <|python"):
+        assert Llama3JsonCalls.parse(text) == (text, []), text
+    parser = Llama3JsonCalls()
+    assert parser.feed(" ") == ("", []) and parser.feed("Sun") == (" Sun", []) and parser.feed("ny {") == ("ny {", [])
+    parser = Llama3JsonCalls()
+    assert parser.feed("<|py") == ("", []) and parser.feed("thon_tag|>" + weather) == ("", [])
+    assert named(parser.finish()[1]) == [("get_weather", {"city": "Paris", "days": 2})]
+
+
+HERMES_PARTS = ["Hi ", WEATHER, PING, "<tool_call>bad</tool_call>", "<", "_call>", " x", "\n"]
+LLAMA_PARTS = ['{"name": "a", "parameters": {"k": [1, ";"]}}', "; ", "<|python_tag|>", " ", "Hi", "{", "}"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([(HermesCalls, HERMES_PARTS), (Llama3JsonCalls, LLAMA_PARTS)]).flatmap(
+    lambda p: st.tuples(st.just(p[0]), st.lists(st.sampled_from(p[1]), max_size=6))), st.lists(st.integers(0, 400), max_size=8))
+def test_streamed_in_any_pieces_equals_parsed_whole(parser_parts, cuts):
+    parser_class, parts = parser_parts
     text = "".join(parts)
     cuts = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    parser, content, calls = HermesCalls(), "", []
+    parser, content, calls = parser_class(), "", []
     for a, b in zip(cuts, cuts[1:]):
         more, new = parser.feed(text[a:b])
         content, calls = content + more, calls + new
     rest, last = parser.finish()
     content, calls = content + rest, calls + last
-    whole_content, whole_calls = HermesCalls.parse(text)
+    whole_content, whole_calls = parser_class.parse(text)
     assert named(calls) == named(whole_calls) and [c["index"] for c in calls] == list(range(len(calls)))
     assert (content.strip() or None if whole_calls else content) == whole_content
 

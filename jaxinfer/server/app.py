@@ -35,7 +35,7 @@ from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
 from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, to_response
-from jaxinfer.server.tools import TOOL_CALL_PARSERS, HermesCalls, RequiredCalls, parse_calls, tool_call
+from jaxinfer.server.tools import RequiredCalls, call_parser, parse_calls, tool_call
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -51,9 +51,7 @@ class OpenAIServer:
 
     def __init__(self, loop: EngineLoop, model_name: str | Sequence[str], api_key: str | None = None,
                  tool_call_parser: str | None = None):
-        if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-            raise ValueError(f"tool_call_parser={tool_call_parser!r} must be None or one of {TOOL_CALL_PARSERS}")
-        self.tool_call_parser = tool_call_parser  # "auto" tool choice: calls parsed out of the text (`HermesCalls`)
+        self.tool_call_parser = call_parser(tool_call_parser)  # "auto" tool choice: calls read from the text
         self.loop = loop
         self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         if not self.model_names:
@@ -326,7 +324,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     model = server.check_model(body)
     ids = server.chat_ids(body)
     params = server.params(body, ids, default_max_tokens=None)
-    # "auto" with a parser: the model may write calls in its text (`HermesCalls`), whose tags
+    # "auto" with a parser: the model may write calls in its text (`TextCalls`), whose tags
     # some tokenizers make special tokens: kept in the text (as vLLM's parsers do)
     parsed = bool(body.tools) and body.effective_tool_choice == "auto" and server.tool_call_parser is not None
     if parsed:
@@ -388,7 +386,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
 
     def message(out) -> tuple[dict, list | None]:
         if parsed:
-            content, calls = HermesCalls.parse(out.text)
+            content, calls = server.tool_call_parser.parse(out.text)
             return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}), calls
         calls = parse_calls(out.text, choice) if choice is not None else None
         if calls is None:
@@ -412,7 +410,7 @@ async def _parsed_stream(server: OpenAIServer, raw: Request, body: ChatCompletio
     for i in range(len(rids)):
         yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}]))
-    generated, parsers = 0, [HermesCalls() for _ in rids]
+    generated, parsers = 0, [server.tool_call_parser() for _ in rids]
     async for _, index, out in server.events(raw, sink, rids):
         generated += len(out.delta_token_ids)
         content, calls = parsers[index].feed(out.delta_text)

@@ -10,7 +10,7 @@ from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import Model
 from jaxinfer.server.app import OpenAIServer, create_app
 from jaxinfer.server.loop import EngineLoop
-from jaxinfer.server.tools import TOOL_CALL_PARSERS
+from jaxinfer.server.tools import call_parser
 
 
 def build_server(model: Model, engine_config: EngineConfig, model_name: str | Sequence[str],
@@ -20,13 +20,12 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
     outstanding; more are answered 429. With `warmup` the engine compiles its programs in the
     background (`Engine.start_warmup`): the server answers at once, `/health` says 503
     "warming up" until short requests can be served without compiling, and requests sent
-    meanwhile wait for the programs they need. `tool_call_parser` ("hermes"): with tool
-    choice "auto", the calls the model writes in its answer come back as `tool_calls`. The programs of requests with penalties, a
+    meanwhile wait for the programs they need. `tool_call_parser` ("hermes", "llama3_json"):
+    with tool choice "auto", the calls the model writes in its answer come back as `tool_calls`. The programs of requests with penalties, a
     logit bias or a grammar (structured output, tool calls) compile last."""
     if max_queue < 0:
         raise ValueError(f"{max_queue=} must be >= 0")
-    if tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-        raise ValueError(f"{tool_call_parser=} must be None or one of {TOOL_CALL_PARSERS}")
+    call_parser(tool_call_parser)  # refused before the engine is built
     engine = Engine(model, engine_config)
     if warmup:
         engine.start_warmup(penalized=True)

@@ -5,8 +5,8 @@ output, `jaxinfer.structured_output`) to that function's arguments, or to a JSON
 `{"name", "parameters"}` calls of the listed tools (`RequiredCalls` reads it as it streams),
 so every answer parses into `tool_calls`. "none" answers in text, and so does "auto" (OpenAI's default when tools are sent) unless the
 server has a parser of the model family's own call syntax (`jaxinfer serve --tool-call-parser
-hermes`, as in vLLM): then the calls the model writes in its text come back as `tool_calls`
-(`HermesCalls`). Without one, "auto" answers in text (vLLM refuses it; answering keeps
+hermes` or `llama3_json`, as in vLLM): then the calls the model writes in its text come back
+as `tool_calls` (`TextCalls`). Without one, "auto" answers in text (vLLM refuses it; answering keeps
 clients that send tools by default working).
 """
 
@@ -16,7 +16,6 @@ import json
 import uuid
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes",)  # `jaxinfer serve --tool-call-parser`
 
 FREE_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function that declares no parameters
 
@@ -177,26 +176,64 @@ def _show(tool_choice: Any) -> str:
     return repr(tool_choice) if isinstance(tool_choice, str) else repr(tool_choice.function.name)
 
 
-class HermesCalls:
-    """Tool calls written as Hermes, Qwen 2.5 / 3 and SmolLM3 write them, anywhere in the text:
+class TextCalls:
+    """Tool calls a model writes in its answer's text, in its family's own syntax (tool choice
+    "auto" with `--tool-call-parser`). Fed a choice's text as it streams (`feed`, then
+    `finish`), a parser returns what to send: content, and each call once complete (OpenAI
+    call objects with their `index`). What does not parse as a call stays in the content as
+    written: nothing the model wrote is lost."""
+
+    def __init__(self) -> None:
+        self.calls = 0  # calls returned so far: the next one's index
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send now, calls completed now)."""
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end of the answer: what was held back, as content or calls."""
+        raise NotImplementedError
+
+    def _call(self, fields: Any) -> dict[str, Any] | None:
+        """The next call from its JSON (`{"name": str, "arguments" or "parameters": object or
+        JSON text}`), or None if it is not one."""
+        if not isinstance(fields, dict) or not isinstance(fields.get("name"), str):
+            return None
+        arguments = fields.get("arguments", fields.get("parameters", {}))
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        self.calls += 1
+        return tool_call(fields["name"], arguments, self.calls - 1)
+
+    @classmethod
+    def parse(cls, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A whole answer -> (its content without the calls, None if only whitespace is left
+        and there were calls; the calls, without their stream `index`)."""
+        parser = cls()
+        content, calls = parser.feed(text)
+        rest, last = parser.finish()
+        content, calls = content + rest, [{k: v for k, v in c.items() if k != "index"} for c in calls + last]
+        return (None if calls and not content.strip() else content.strip() if calls else content), calls
+
+
+class HermesCalls(TextCalls):
+    """Calls written as Hermes, Qwen 2.5 / 3 and SmolLM3 write them, anywhere in the text:
 
         <tool_call>
         {"name": "get_weather", "arguments": {"city": "Paris"}}
         </tool_call>
 
-    Fed a choice's text as it streams, it returns what to send: the content outside the calls
-    (held back only while it might be the start of `<tool_call>`) and each call once closed.
-    A block that does not hold such a call, or is never closed, stays in the content as
-    written: nothing the model wrote is lost."""
+    Content is held back only while it might be the start of `<tool_call>`; a block that does
+    not hold a call stays in the content; a last block left open is a call if what it holds is
+    one (the answer stopped at EOS or a stop string right after it)."""
 
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
+        super().__init__()
         self._pending = ""  # text not yet sent: a possible start tag, or an open block
-        self.calls = 0  # calls sent so far: the next one's index
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(content to send now, calls completed now)."""
         buffer, content, calls = self._pending + text, [], []
         while True:
             start = buffer.find(self.START)
@@ -210,49 +247,87 @@ class HermesCalls:
                 content.append(buffer[:start])
                 self._pending = buffer[start:]
                 break
-            call = _hermes_call(buffer[start + len(self.START) : end], self.calls)
+            call = self._call(_json_or_none(buffer[start + len(self.START) : end]))
             if call is None:
                 content.append(buffer[: end + len(self.END)])
             else:
                 content.append(buffer[:start])
                 calls.append(call)
-                self.calls += 1
             buffer = buffer[end + len(self.END) :]
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """At the end of the text: a last block the model left open is a call if what it holds
-        is one (the output stopped at EOS or a stop string right after it), else content."""
         pending, self._pending = self._pending, ""
-        if pending.startswith(self.START) and (call := _hermes_call(pending[len(self.START) :], self.calls)):
-            self.calls += 1
+        if pending.startswith(self.START) and (call := self._call(_json_or_none(pending[len(self.START) :]))):
             return "", [call]
         return pending, []
 
-    @classmethod
-    def parse(cls, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """A whole answer -> (its content without the calls, None if only whitespace is left
-        and there were calls; the calls)."""
-        parser = cls()
-        content, calls = parser.feed(text)
-        rest, last = parser.finish()
-        content, calls = content + rest, [{k: v for k, v in c.items() if k != "index"} for c in calls + last]
-        return (None if calls and not content.strip() else content.strip() if calls else content), calls
+
+class Llama3JsonCalls(TextCalls):
+    """Calls written as Llama 3.1 / 3.2 write them with JSON tool calling: the whole answer is
+    one call or several separated by ";", optionally after `<|python_tag|>`:
+
+        {"name": "get_weather", "parameters": {"city": "Paris"}}
+
+    An answer that begins otherwise streams as content at once; one that begins like a call
+    is held to its end, then returned as calls if every part is one, else as content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held = ""
+        self._content = False  # decided: the answer is text
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._content:
+            return text, []
+        self._held += text
+        head = self._held.lstrip()
+        if not head or (len(head) < len(self.TAG) and self.TAG.startswith(head)):
+            return "", []  # not decided yet
+        if head.startswith((self.TAG, "{")):
+            return "", []  # a call: held to the end
+        self._content, held, self._held = True, self._held, ""
+        return held, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        held, self._held = self._held, ""
+        body, decoder, parts = held.strip().removeprefix(self.TAG), json.JSONDecoder(), []
+        position = 0
+        while (position := _skip(body, position, " \n\t;")) < len(body):
+            try:
+                fields, position = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return held, []
+            parts.append(fields)
+        if not parts or not all(isinstance(p, dict) and isinstance(p.get("name"), str) for p in parts):
+            return held, []
+        return "", [self._call(p) for p in parts]
 
 
-def _hermes_call(body: str, index: int) -> dict[str, Any] | None:
-    """The call a `<tool_call>` block holds, or None: `{"name": str, "arguments": object}`
-    (some models write `parameters`)."""
+def _skip(text: str, position: int, chars: str) -> int:
+    while position < len(text) and text[position] in chars:
+        position += 1
+    return position
+
+
+def _json_or_none(text: str) -> Any:
     try:
-        call = json.loads(body)
+        return json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return tool_call(call["name"], arguments, index)
+
+
+# `jaxinfer serve --tool-call-parser NAME` (vLLM's names)
+TOOL_CALL_PARSERS: dict[str, type[TextCalls]] = {"hermes": HermesCalls, "llama3_json": Llama3JsonCalls}
+
+
+def call_parser(name: str | None) -> type[TextCalls] | None:
+    """The parser named `name` (None: none); a ValueError names the choices."""
+    if name is not None and name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser={name!r}: the parsers are {', '.join(TOOL_CALL_PARSERS)}")
+    return None if name is None else TOOL_CALL_PARSERS[name]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
