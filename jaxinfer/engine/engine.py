@@ -330,7 +330,8 @@ class Engine:
             raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        """llguidance's view of the vocabulary, made at the first structured-output request."""
+        """llguidance's view of the vocabulary (~0.4 s), made at warm-up with `penalized` or at
+        the first structured-output request."""
         if self._grammars is None:
             if self.model.tokenizer is None:
                 raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
@@ -833,13 +834,16 @@ class Engine:
     def _compile_side_programs(self, penalized: bool = False) -> None:
         """Compile the tiny programs every step may call with the steps: the block-table
         update, with asynchronous scheduling `feed_decode_tokens`, with `penalized` the
-        write of an admitted request's penalty row (`set_slot`)."""
+        write of an admitted request's penalty row (`set_slot`) and llguidance's view of the
+        vocabulary."""
         tables = jax.ShapeDtypeStruct(self.kv.block_tables.shape, jnp.int32, sharding=self.kv.block_tables.sharding)
         with self._compiles.attribute():
             self._apply_tables.lower(tables, self._place_updates(self._tables.idle())).compile()
             if penalized and self._channel is None:
                 row = slot_history(self.model.config.vocab_size, [], [])
                 set_slot.lower(self._penalty_shapes(), np.int32(0), row).compile()
+        if penalized and self._channel is None and self.model.tokenizer is not None:
+            self._grammar_compiler()  # not a program, but as slow as one: not at the first grammar
         if self.config.async_scheduling:
             for rows in self.decode_row_buckets:
                 r = np.zeros(rows, np.int32)
