@@ -349,22 +349,28 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     def finish(out, calls) -> str:
         return "tool_calls" if (required or parsed) and calls and out.finish_reason == "stop" else out.finish_reason
 
-    if body.stream and parsed:
-        return StreamingResponse(_guarded(_parsed_stream(server, raw, body, sink, rids, chunk, logprobs, ids), raw),
-                                 media_type="text/event-stream")
     if body.stream:
         async def stream():
             for i in range(len(rids)):
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]))
             generated, started = 0, [False] * len(rids)
-            readers = [RequiredCalls() for _ in rids]  # "required": the calls as they are written
+            # per choice, what reads calls in its text: "required" calls as they are written
+            # (`RequiredCalls`), "auto" with a parser the calls among the content (`TextCalls`)
+            readers = [RequiredCalls() if required else server.tool_call_parser() if parsed else None for _ in rids]
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
                 text, with_logprobs = out.delta_text, bool(body.logprobs and out.delta_token_ids)
                 if required:
                     deltas = readers[index].feed(text)
                     delta = {"tool_calls": deltas} if deltas else {}
+                elif parsed:
+                    content, calls = readers[index].feed(text)
+                    if out.finished:
+                        rest, last = readers[index].finish()
+                        content, calls = content + rest, calls + last
+                    delta = ({"content": content} if content or with_logprobs else {}) | (
+                        {"tool_calls": calls} if calls else {})
                 elif named is not None:  # the call's id and name first, then its arguments
                     delta = {}
                     if text or not started[index]:
@@ -376,7 +382,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                 if delta or with_logprobs:
                     yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out), "finish_reason": None}]))
                 if out.finished:
-                    called = required and readers[index].closed and out.finish_reason == "stop"
+                    called = (readers[index].closed if required else parsed and readers[index].calls > 0
+                              ) and out.finish_reason == "stop"
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
                                        "finish_reason": "tool_calls" if called else out.finish_reason}]))
             if body.include_usage:
@@ -401,34 +408,6 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                         "finish_reason": finish(o, calls)})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
-
-
-async def _parsed_stream(server: OpenAIServer, raw: Request, body: ChatCompletionRequest, sink: Sink,
-                         rids: list[str], chunk, logprobs, ids: list[int]) -> AsyncIterator[str]:
-    """A chat stream whose text may hold tool calls ("auto" with a parser): content deltas
-    as they come (held back only while they might begin a call), each call once complete."""
-    for i in range(len(rids)):
-        yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}]))
-    generated, parsers = 0, [server.tool_call_parser() for _ in rids]
-    async for _, index, out in server.events(raw, sink, rids):
-        generated += len(out.delta_token_ids)
-        content, calls = parsers[index].feed(out.delta_text)
-        if out.finished:
-            rest, last = parsers[index].finish()
-            content, calls = content + rest, calls + last
-        if content or (body.logprobs and out.delta_token_ids):
-            yield _sse(chunk([{"index": index, "delta": {"content": content}, "logprobs": logprobs(out),
-                               "finish_reason": None}]))
-        if calls:
-            yield _sse(chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]))
-        if out.finished:
-            called = parsers[index].calls and out.finish_reason == "stop"
-            yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
-                               "finish_reason": "tool_calls" if called else out.finish_reason}]))
-    if body.include_usage:
-        yield _sse(chunk([], usage(len(ids), generated)))
-    yield DONE
 
 
 async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):
