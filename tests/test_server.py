@@ -477,7 +477,9 @@ def test_responses_api(srv, client):
                         "input.0.content.0"),
                        ({"tools": [{"type": "web_search"}]}, "tools.0.type"), ({"input": [{"type": "reasoning"}]}, "input.0.type"),
                        ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"input": [{"role": "robot"}]}, "input"),
-                       ({"max_output_tokens": 0}, "max_output_tokens"), ({"model": "nope"}, "model")]:
+                       ({"max_output_tokens": 0}, "max_output_tokens"), ({"model": "nope"}, "model"),
+                       ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+                       ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input.0")]:
         err = httpx.post(f"{srv.url}/v1/responses", json={"model": NAME, "input": "x"} | bad, timeout=T)
         assert err.status_code in (400, 404) and err.json()["error"]["param"] == param, (bad, err.text)
 

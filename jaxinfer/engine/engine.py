@@ -274,8 +274,7 @@ class Engine:
         first device may belong to another process)."""
         if self.config.mesh is not None:
             return kv
-        device = next(iter(jax.tree.leaves(self.model.params)[0].devices()))
-        return jax.device_put(kv, device)
+        return jax.device_put(kv, self._placement())
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -567,7 +566,8 @@ class Engine:
         admitted = self.scheduler.take_admitted()
         if self.penalties is None and any(r.params.penalized for r in admitted):
             state = init_penalty_state(self.spec.max_slots, self.model.config.vocab_size)
-            self.penalties = jax.tree.map(lambda a: sharding.put(np.asarray(a), self._penalty_placement()), state)
+            placement = self._placement()
+            self.penalties = jax.tree.map(lambda a: sharding.put(np.asarray(a), placement), state)
         if self.penalties is not None:
             vocab, eos_ids = self.model.config.vocab_size, self.model.config.eos_ids
             for req in admitted:
@@ -575,9 +575,9 @@ class Engine:
                 self.penalties = self._compiles.call(set_slot, self.penalties, np.int32(req.slot), row)
         return plan_penalized(plan)
 
-    def _penalty_placement(self) -> jax.sharding.Sharding:
-        """Where the penalty state lives: committed to the params' device, as step outputs
-        are (see `_commit`); on a mesh, replicated."""
+    def _placement(self) -> jax.sharding.Sharding:
+        """Where fresh state the steps read lives (caches, penalties): committed to the params'
+        device, as step outputs are (see `_commit`); on a mesh, replicated."""
         if self.config.mesh is not None:
             return sharding.replicated(self.config.mesh)
         return jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(self.model.params)[0].devices())))
@@ -586,7 +586,7 @@ class Engine:
         """The penalty state's shapes and placement, made or not (programs compile against them)."""
         if self.penalties is not None:
             return _abstract(self.penalties)
-        placement = self._penalty_placement()
+        placement = self._placement()
         state = jax.eval_shape(lambda: init_penalty_state(self.spec.max_slots, self.model.config.vocab_size))
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement), state)
 
@@ -836,13 +836,14 @@ class Engine:
         update, with asynchronous scheduling `feed_decode_tokens`, with `penalized` the
         write of an admitted request's penalty row (`set_slot`) and llguidance's view of the
         vocabulary."""
+        penalized = penalized and self._channel is None  # (such requests are refused across processes)
         tables = jax.ShapeDtypeStruct(self.kv.block_tables.shape, jnp.int32, sharding=self.kv.block_tables.sharding)
         with self._compiles.attribute():
             self._apply_tables.lower(tables, self._place_updates(self._tables.idle())).compile()
-            if penalized and self._channel is None:
+            if penalized:
                 row = slot_history(self.model.config.vocab_size, [], [])
                 set_slot.lower(self._penalty_shapes(), np.int32(0), row).compile()
-        if penalized and self._channel is None and self.model.tokenizer is not None:
+        if penalized and self.model.tokenizer is not None:
             self._grammar_compiler()  # not a program, but as slow as one: not at the first grammar
         if self.config.async_scheduling:
             for rows in self.decode_row_buckets:

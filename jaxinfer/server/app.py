@@ -346,8 +346,9 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     required = choice == "required"  # a JSON array of calls, each streamed as it is written
     named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
 
-    def finish(out, calls) -> str:
-        return "tool_calls" if (required or parsed) and calls and out.finish_reason == "stop" else out.finish_reason
+    def finish(out, called: bool) -> str:
+        """An answer that ended by itself with calls read from it finishes with them."""
+        return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
 
     if body.stream:
         async def stream():
@@ -382,10 +383,9 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                 if delta or with_logprobs:
                     yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out), "finish_reason": None}]))
                 if out.finished:
-                    called = (readers[index].closed if required else parsed and readers[index].calls > 0
-                              ) and out.finish_reason == "stop"
+                    called = readers[index].closed if required else parsed and readers[index].calls > 0
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
-                                       "finish_reason": "tool_calls" if called else out.finish_reason}]))
+                                       "finish_reason": finish(out, called)}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
             yield DONE
@@ -405,7 +405,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     for i, o in finals:
         msg, calls = message(o)
         choices.append({"index": i, "message": msg, "logprobs": logprobs(o, new_only=False),
-                        "finish_reason": finish(o, calls)})
+                        "finish_reason": finish(o, (required or parsed) and bool(calls))})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
 

@@ -68,11 +68,17 @@ class ResponsesRequest(BaseModel):
         if self.tools:
             chat["tools"] = [self._tool(i, tool) for i, tool in enumerate(self.tools)]
         if isinstance(self.tool_choice, dict):
+            if self.tool_choice.get("type") != "function" or not isinstance(self.tool_choice.get("name"), str):
+                raise ErrorBody(400, 'tool_choice: a chosen function is {"type": "function", "name": ...}',
+                                param="tool_choice")
             chat["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.get("name")}}
         elif self.tool_choice is not None:
             chat["tool_choice"] = self.tool_choice
         fmt = (self.text or {}).get("format") or {"type": "text"}
         if fmt.get("type") == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise ErrorBody(400, "text.format: type 'json_schema' needs its schema (an object) under 'schema'",
+                                param="text.format.schema")
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}}
         elif fmt.get("type") in ("json_object", "text"):
@@ -98,6 +104,8 @@ class ResponsesRequest(BaseModel):
             if kind == "message":
                 messages.append({"role": item.get("role"), "content": _text(item.get("content"), f"input.{i}.content")})
             elif kind == "function_call":  # an earlier call: joins the assistant message before it, if any
+                if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+                    raise ErrorBody(400, f"input.{i}: a function_call needs its name and call_id", param=f"input.{i}")
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
                 last = messages[-1] if messages else None
