@@ -261,6 +261,9 @@ BAD = [
     ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}},
+     "messages.0.content", "/v1/chat/completions"),
 ]
 
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 from jaxinfer.server.tools import check_tools, constraint, template_message
@@ -171,7 +171,8 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content: text parts are used, others (images, ...) ignored."""
+    """One part of a message's content. Only text is read: a message with other parts (images,
+    audio, files) is refused by `ChatMessage`, not answered as if they were not there."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -187,6 +188,14 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if part.type != "text":
+                raise ValueError(f"part {j} is of type {part.type!r}: this model reads text parts only")
+        return content
 
     def template_fields(self) -> dict[str, Any]:
         """The message as the chat template reads it (`jaxinfer.server.tools.template_message`)."""
