@@ -120,13 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--system", default=None, help="a system message before each prompt (chat template)")
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most per prompt")
     gen.add_argument("--min-tokens", type=int, default=0, help="tokens generated before EOS or a stop may end it")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None,
+                     help="seed of the sampling (unset: drawn from the engine's seed 0, so a run repeats)")
     gen.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="> 1 discourages every token already in the prompt or output (1 = off)")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")

@@ -148,12 +148,37 @@ def test_abort_mid_generation_frees_pages(model):
     for _ in range(6):
         eng.step()
     assert eng.scheduler.allocator.num_allocated > 0
-    eng.abort(a)
+    assert eng.abort(a) is True
     while eng.has_unfinished_requests():
         eng.step()
     assert b not in eng.requests
     assert eng.scheduler.allocator.num_allocated == 0
     eng.scheduler.allocator.check_invariants()
+    assert eng.abort(a) is eng.abort(b) is eng.abort("never-added") is False  # finished or unknown: nothing to stop
+
+
+def test_request_timestamps_follow_the_request(model):
+    """arrival <= first scheduled <= first token <= last token <= finished; with one slot the
+    second request is first scheduled only after the first one finished (it queued)."""
+    eng = engine(model, max_slots=1)
+    first, second = eng.generate(prompts(2, seed=3), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for out in (first, second):
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+    assert second.metrics.first_scheduled_time >= first.metrics.finished_time
+
+
+def test_generate_takes_one_prompt_alone(model):
+    """A prompt given alone (token ids as a list or an array) is a batch of one."""
+    ids, params = prompts(1, seed=4)[0], SamplingParams(temperature=0, max_tokens=5)
+    want = engine(model).generate([ids], params)[0].token_ids
+    eng = engine(model)
+    assert [o.token_ids for o in eng.generate(ids, params)] == [want]
+    assert [o.token_ids for o in eng.generate(np.asarray(ids), params)] == [want]
+    for bad in ([], np.zeros((2, 3), np.int32), 7):
+        with pytest.raises(ValueError, match="prompts must be"):
+            eng.generate(bad, params)
 
 
 def test_two_hundred_requests_compile_nothing_after_warmup(model):

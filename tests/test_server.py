@@ -259,6 +259,8 @@ BAD = [
     ({"json": {"model": NAME, "prompt": "x", "response_format": {"type": "json_object"}, "guided_choice": ["a"]}},
      "response_format", "/v1/completions"),
     ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "stop": 5}}, "stop", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": None}}, "prompt", "/v1/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "user", "content": [
@@ -367,6 +369,13 @@ def test_tool_calls(srv, client):
                                                                    stream=True, **kw))
     assert calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}
     assert finish == "tool_calls"
+    for cut in (2, 7):  # cut short by max_tokens: the calls as far as written, streamed or not
+        short = kw | {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": cut}
+        r = client.chat.completions.create(**short)
+        calls, finish = _streamed_calls(client.chat.completions.create(stream=True, **short))
+        assert r.choices[0].finish_reason == finish == "length" and r.choices[0].message.content is None
+        assert {i: {"name": c.function.name, "arguments": c.function.arguments}
+                for i, c in enumerate(r.choices[0].message.tool_calls or [])} == calls
 
     text = client.chat.completions.create(tool_choice="none", **kw)
     assert text.choices[0].message.tool_calls is None and text.choices[0].finish_reason in ("stop", "length")
@@ -447,16 +456,19 @@ def test_responses_api(srv, client):
     r = client.responses.create(**kw)
     assert r.output_text == chat.choices[0].message.content and r.id.startswith("resp")
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # chat: "length"
+    assert r.output[0].status == "incomplete" and r.model_dump()["completed_at"] is None
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     events = list(client.responses.create(stream=True, **kw))
     assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
                                             "response.content_part.added"]
     assert events[-1].type == "response.incomplete" and events[-1].response.output[0].content[0].text == r.output_text
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
     with client.responses.stream(**(kw | {"max_output_tokens": 20}), extra_body={"guided_choice": ["yes", "no"]}) as s:
         final = s.get_final_response()  # vLLM's extras pass through to the chat request
-    assert final.status == "completed" and final.output_text in ("yes", "no")
+    assert final.status == "completed" and final.output_text in ("yes", "no") and final.output[0].status == "completed"
+    assert final.model_dump()["completed_at"] >= final.created_at
 
     unit = {"type": "function", "name": "set_unit", "parameters": UNIT}
     calls = dict(model=NAME, input="Unit?", tools=[unit], max_output_tokens=30, temperature=0, parallel_tool_calls=False)
@@ -485,6 +497,32 @@ def test_responses_api(srv, client):
                        ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input.0")]:
         err = httpx.post(f"{srv.url}/v1/responses", json={"model": NAME, "input": "x"} | bad, timeout=T)
         assert err.status_code in (400, 404) and err.json()["error"]["param"] == param, (bad, err.text)
+
+
+def test_default_max_tokens_fits_the_context(srv, model):
+    """Completions' default max_tokens (16, OpenAI's) is cut to what the context has left; a
+    max_tokens the client sent that does not fit is a 400 `context_length_exceeded`."""
+    ids = list(range(100, 100 + MAX_LEN - 5))
+    body = {"model": NAME, "prompt": ids, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=T).json()
+    assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
+    assert httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": "x", "ignore_eos": True},
+                      timeout=T).json()["usage"]["completion_tokens"] == 16
+    err = httpx.post(f"{srv.url}/v1/completions", json=body | {"max_tokens": 6}, timeout=T).json()["error"]
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_null_means_the_default(client):
+    """OpenAI's SDK sends `null` for a parameter given as None; like OpenAI and vLLM, the
+    server reads it as the parameter's default (a seeded sample at temperature 1, top_p 1)."""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    nulls = dict(temperature=None, top_p=None, n=None, stream=None, logprobs=None, frequency_penalty=None,
+                 presence_penalty=None, stream_options=None, response_format=None)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, seed=3, **nulls)
+    plain = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, seed=3)
+    assert [c.message.content for c in r.choices] == [plain.choices[0].message.content] and r.choices[0].logprobs is None
+    echo = client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0, echo=None, best_of=None)
+    assert echo.choices[0].text == client.completions.create(model=NAME, prompt="Hi", max_tokens=2, temperature=0).choices[0].text
 
 
 def test_skip_special_tokens(client):
@@ -707,9 +745,11 @@ def check_completion_logprobs(lp: dict, tok, want) -> None:
     assert lp["tokens"] == texts
     assert lp["text_offset"] == list(itertools.accumulate(map(len, texts), initial=0))[:-1]
     assert lp["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-5)
-    assert [list(d.values()) for d in lp["top_logprobs"]] == [
-        pytest.approx([v for _, v in alts], abs=1e-5) for alts in want.top_logprobs]
-    assert [list(d) for d in lp["top_logprobs"]] == [[tok.token_text(i) for i, _ in alts] for alts in want.top_logprobs]
+    # the top alternatives in order, then the token itself where it is not among them (OpenAI's "logprobs + 1")
+    tops = [{tok.token_text(i): v for i, v in alts} | {text: v} | {tok.token_text(i): v for i, v in alts}
+            for text, v, alts in zip(texts, want.logprobs, want.top_logprobs)]
+    assert [list(d) for d in lp["top_logprobs"]] == [list(d) for d in tops]
+    assert [list(d.values()) for d in lp["top_logprobs"]] == [pytest.approx(list(d.values()), abs=1e-5) for d in tops]
 
 
 def test_completion_logprobs_equal_engine(srv, model):
@@ -853,7 +893,7 @@ def test_completion_echo_with_logprobs_scores_the_prompt(srv, client, model):
     lp = full.logprobs
     assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], want, atol=1e-4)
-    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    assert all(len(top) == 2 + (text not in list(top)[:2]) and text in top for text, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
     assert lp.text_offset[len(ids)] == len(prompt) and full.text.startswith(prompt)
     only = client.completions.create(max_tokens=0, **kw)
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0

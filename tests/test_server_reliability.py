@@ -17,6 +17,7 @@ import logging
 import random
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -306,20 +307,27 @@ def test_an_unexpected_error_is_an_openai_500_naming_the_logged_request_id(srv, 
 # ---- 3. disconnects abort -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("with_key", [False, True])
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_disconnects_has_its_request_aborted(srv, keyed, monkeypatch, with_key, stream):
+@pytest.mark.parametrize("with_key, stream, flowing", [(False, False, False), (True, False, False), (False, True, False),
+                                                      (True, True, False), (False, False, True), (False, True, True)])
+def test_a_client_that_disconnects_has_its_request_aborted(srv, keyed, monkeypatch, with_key, stream, flowing):
     """The engine is held mid-request (its step waits) until the server calls abort for the
-    request, which it does only if it saw the client go; then everything is freed."""
+    request, which it does only if it saw the client go; then everything is freed. `flowing`:
+    the steps go on (slowly), so the request's tokens keep coming while nobody reads them."""
     s = keyed if with_key else srv
     s.wait_idle()
     loop = s.server.loop
     in_step, release, abort_called = threading.Event(), threading.Event(), threading.Event()
     real_step, real_abort = loop.engine.step, loop.abort
 
+    steps = iter(range(1 << 30))
+
     def held_step():
-        in_step.set()
-        release.wait(T)
+        if not flowing:
+            in_step.set()
+            release.wait(T)
+        elif next(steps) >= 5:  # the client leaves once tokens flow (a step every ~0.1 s, none slow)
+            in_step.set()
+            time.sleep(0.1)  # 60 tokens take > 6 s: the request must be aborted long before it ends
         return real_step()
 
     def abort(ids):

@@ -123,10 +123,19 @@ def test_required_calls_streamed_in_any_pieces_equal_the_whole_answer(calls, cut
         (c["function"]["name"], c["function"]["arguments"]) for c in whole]
 
 
-def test_required_calls_cut_short_do_not_parse():
-    text = json.dumps(CALLS, separators=(",", ":"))
-    for end in (0, 1, 20, len(text) - 1):
-        assert RequiredCalls.parse(text[:end]) is None
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(CALLS), min_size=1, max_size=3), st.data())
+def test_required_calls_cut_short_parse_as_they_stream(calls, data):
+    """An answer cut short (max_tokens) parses to what its stream gave: the calls named so
+    far, their arguments as far as written, a prefix of the whole answer's."""
+    text = json.dumps(calls, separators=(",", ":"), ensure_ascii=False)
+    end = data.draw(st.integers(0, len(text) - 1))
     reader = RequiredCalls()
-    deltas = reader.feed(text[:30])  # the first call's name is complete: its header is out
-    assert deltas[0]["function"]["name"] == "set_unit" and not reader.closed
+    streamed = reassembled(reader.feed(text[:end]))
+    cut = RequiredCalls.parse(text[:end])
+    assert not reader.closed
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in cut] == [
+        (c["name"], c["arguments"]) for c in streamed.values()]
+    whole = RequiredCalls.parse(text)
+    assert all(c["function"]["name"] == w["function"]["name"] and w["function"]["arguments"].startswith(
+        c["function"]["arguments"]) for c, w in zip(cut, whole)) and len(cut) <= len(whole)

@@ -347,12 +347,15 @@ class Engine:
             pages = min(pages, -(-(window - 1 + self.config.prefill_chunk) // ps) + 1)
         return pages
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now; its pages return to the pool. Unknown ids raise KeyError."""
-        req = self.requests.pop(request_id)
-        if not req.finished:
-            req.finish_reason = "abort"
-            self.scheduler.remove(req)
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its pages return to the pool. Whether it was running: an id
+        that finished already (or never was) is no error, as in vLLM's `abort_request`."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return False
+        req.finish_reason = "abort"
+        self.scheduler.remove(req)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None  # (asynchronous: a step not read yet)
@@ -999,11 +1002,15 @@ class Engine:
 
     # ---- conveniences -----------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  chat: bool = False, progress: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion (alongside anything already queued); outputs in input order."""
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+        """Run prompts to completion (alongside anything already queued); outputs in input order.
+        One prompt (a text, token ids, a conversation) may be given alone: a list of one output."""
+        if _is_one_prompt(prompts):
+            prompts = [prompts]
+        if isinstance(prompts, np.ndarray) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a prompt (a text, token ids, a conversation) or a non-empty list of them")
         per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
@@ -1100,6 +1107,14 @@ def drafts_by_row(drafts: DraftBatch | EagleBatch, rows: list[int], num_rows: in
         return dataclasses.replace(drafts, **{f: lay_out(getattr(drafts, f)) for f in ("num_draft", "head_tokens", "carried")})
     allowed = None if drafts.allowed is None else lay_out(drafts.allowed, idle=-1)  # idle rows: every token allowed
     return DraftBatch(tokens=lay_out(drafts.tokens), num_draft=lay_out(drafts.num_draft), allowed=allowed)
+
+
+def _is_one_prompt(prompts: Any) -> bool:
+    """A text, a 1-d array or list of token ids, or a conversation (a list of message dicts)."""
+    if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+        return True
+    return (isinstance(prompts, (list, tuple)) and bool(prompts)
+            and isinstance(prompts[0], (Mapping, int, np.integer)))
 
 
 def _abstract(tree):

@@ -32,6 +32,11 @@ class RequestMetrics:
     speculative: SpeculativeStats | None = None  # draft acceptance (engines that speculate)
 
     @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival until the scheduler first gave the request a slot."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 

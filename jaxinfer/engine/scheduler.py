@@ -25,6 +25,7 @@ a replica prefill only their own requests.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 from jaxinfer.engine.request import Request, RequestStatus
@@ -241,6 +242,7 @@ class Scheduler:
             req.num_shared_tokens = len(cached) * self.page_size
             req.num_computed = start
             req.metrics.num_cached_prompt_tokens = start
+            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or time.perf_counter()
             req.slot = slot
             req.status = RequestStatus.RUNNING
             self.running.append(req)

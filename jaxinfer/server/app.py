@@ -172,7 +172,8 @@ class OpenAIServer:
         if body.max_tokens == 0:
             return []  # echo only: no choice is generated
         try:
-            return body.sampling_params(default_max_tokens or self.max_model_len - len(ids))
+            # the default (completions: 16, OpenAI's) never asks for more than the context has left
+            return body.sampling_params(min(default_max_tokens or self.max_model_len, self.max_model_len - len(ids)))
         except ValueError as e:
             raise ErrorBody(400, str(e), param=_field_of(str(e))) from e
 
@@ -192,7 +193,7 @@ class OpenAIServer:
             message = str(event[1])
             param = ("max_tokens" if message.startswith("prompt of") else
                      "prompt" if message.startswith("prompt") else _field_of(message))
-            raise ErrorBody(400, message, param=param)
+            raise ErrorBody(400, message, param=param, code="context_length_exceeded" if "max_model_len" in message else None)
         if event[0] == "failed":
             raise engine_failure(event[2])
         return sink, rids
@@ -202,13 +203,19 @@ class OpenAIServer:
         ErrorBody if the engine fails a choice or the server stops it. Aborts the remaining
         choices if the client goes away (or the consumer stops early, or a choice failed)."""
         left = len(rids)
+        clock = asyncio.get_running_loop().time
+        next_check = clock() + DISCONNECT_POLL_S  # checked on this clock, not only when no event comes
         try:
             while left:
                 try:
                     event = await asyncio.wait_for(sink.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    event = None
+                if clock() >= next_check:
                     if await raw.is_disconnected():
                         return
+                    next_check = clock() + DISCONNECT_POLL_S
+                if event is None:
                     continue
                 if event[0] == "failed":
                     raise engine_failure(event[2])
@@ -395,10 +402,10 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         if parsed:
             content, calls = server.tool_call_parser.parse(out.text)
             return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}), calls
-        calls = parse_calls(out.text, choice) if choice is not None else None
-        if calls is None:
+        if choice is None:
             return {"role": "assistant", "content": out.text}, None
-        return {"role": "assistant", "content": None, "tool_calls": calls}, calls
+        calls = parse_calls(out.text, choice)  # cut short: as far as written, as streamed
+        return {"role": "assistant", "content": None} | ({"tool_calls": calls} if calls else {}), calls
 
     finals = await _collect(server, raw, sink, rids)
     choices = []
@@ -544,8 +551,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_, e: RequestValidationError):
         first = e.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _union_member(p)) or None
         if first.get("type") == "json_invalid" or param is None:
             return _error(400, f"the body must be a JSON object: {first.get('msg')}", code="invalid_json")
         return _error(400, f"{param or 'body'}: {first.get('msg')}", param=param)
@@ -553,6 +559,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_, e: StarletteHTTPException):
         return _error(e.status_code, str(e.detail), err_type="invalid_request_error" if e.status_code < 500 else "server_error")
+
+
+def _union_member(part: str | int) -> bool:
+    """Whether a part of pydantic's error location names which member of a union type failed
+    (`str`, `list[int]`, `ContentPart`, ...) rather than a field: not a part of the param."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
+                                      or "[" in part or part[:1].isupper())
 
 
 # ---- middleware (pure ASGI: `@app.middleware("http")` would wrap `receive`, and handlers

@@ -28,11 +28,13 @@ def tokens_of(out: RequestOutput, new_only: bool) -> tuple[list[int], list[float
 def completion_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float | None],
                         top: list[list[tuple[int, float]] | None], offset: int = 0) -> tuple[dict, int]:
     """-> (the legacy object, the text offset after these tokens); `offset` is where they start.
-    None entries (an echoed prompt's first token) stay None."""
+    Each token's `top_logprobs` holds the token itself too (OpenAI: "up to logprobs + 1
+    elements"). None entries (an echoed prompt's first token) stay None."""
     texts = [tok.token_text(i) for i in ids]
     starts = list(itertools.accumulate((len(t) for t in texts), initial=offset))
     obj = {"tokens": texts, "token_logprobs": logprobs, "text_offset": starts[:-1],
-           "top_logprobs": [None if alts is None else {tok.token_text(i): v for i, v in alts} for alts in top]}
+           "top_logprobs": [None if alts is None else {tok.token_text(i): v for i, v in alts} | {text: v}
+                            | {tok.token_text(i): v for i, v in alts} for text, v, alts in zip(texts, logprobs, top)]}
     return obj, starts[-1]
 
 

@@ -186,8 +186,7 @@ class EngineLoop:
         live = self._live.pop(rid, None)
         if live is None:  # already finished (or never added)
             return
-        if rid in self.engine.requests:
-            self.engine.abort(rid)
+        self.engine.abort(rid)
         self._release(1)
         self._count_finished("abort")
         live.sink.put(("aborted", live.index))
@@ -201,8 +200,7 @@ class EngineLoop:
         logger.error("engine loop failed; failing requests %s", sorted(self._live), exc_info=error)
         for rid in list(self._live):
             live = self._live.pop(rid)
-            if rid in self.engine.requests:
-                self.engine.abort(rid)
+            self.engine.abort(rid)
             self._release(1)
             self._count_finished("error")
             live.sink.put(("failed", live.index, f"{type(error).__name__}: {error}"))

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 from jaxinfer.server.tools import check_tools, constraint, template_message
@@ -31,11 +31,25 @@ class ErrorBody(Exception):
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A request body's model: `null` for an optional field means its default, as OpenAI's
+    API (whose SDK sends `"temperature": null` for `temperature=None`) and vLLM read it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Body):
     """`response_format.json_schema`: the schema (under the key "schema") and its name."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -46,14 +60,14 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # the output always follows the schema, strict or not
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Common(BaseModel):
+class _Common(Body):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # optional, as vLLM has it: the served model
@@ -170,7 +184,7 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
-class ContentPart(BaseModel):
+class ContentPart(Body):
     """One part of a message's content. Only text is read: a message with other parts (images,
     audio, files) is refused by `ChatMessage`, not answered as if they were not there."""
 
@@ -180,7 +194,7 @@ class ContentPart(BaseModel):
     text: str = ""
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -208,7 +222,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content if part.type == "text")
 
 
-class ChatTemplateOptions(BaseModel):
+class ChatTemplateOptions(Body):
     """How messages are rendered (vLLM's extras): the assistant's turn opened, or the last
     message continued (a prefilled answer: no turn opened, and asking for one too is refused),
     and variables the chat template reads (`chat_template_kwargs`, e.g. `enable_thinking`)."""
@@ -227,7 +241,7 @@ class ChatTemplateOptions(BaseModel):
                                                      "continue_final_message": self.continue_final_message}
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(Body):
     model_config = ConfigDict(extra="ignore")
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -236,18 +250,18 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None  # constrained calls always follow the schema
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(Body):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
+class FunctionName(Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Body):
     type: Literal["function"] = "function"
     function: FunctionName
 
@@ -299,7 +313,7 @@ class TokenizeRequest(ChatTemplateOptions):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     """vLLM's `POST /detokenize`."""
 
     model_config = ConfigDict(extra="ignore")

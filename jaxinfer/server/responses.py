@@ -18,9 +18,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
-from jaxinfer.server.protocol import ChatCompletionRequest, ErrorBody, new_id, now
+from jaxinfer.server.protocol import Body, ChatCompletionRequest, ErrorBody, new_id, now
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # content parts that are text
 # chat fields a response request may also send; the rest have Responses' own names, or would
@@ -30,7 +30,7 @@ CHAT_EXTRAS = frozenset(ChatCompletionRequest.model_fields) - {
     "response_format", "logprobs", "top_logprobs", "model", "user", "temperature", "top_p", "parallel_tool_calls"}
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(Body):
     """The fields of `POST /v1/responses` this server serves (others are ignored)."""
 
     # other fields pass to the chat request where chat has them (vLLM's extras: top_k, seed,
@@ -159,20 +159,27 @@ def usage(chat_usage: dict[str, int]) -> dict[str, Any]:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    """status: "in_progress" (no content yet), "completed", or "incomplete" (cut short at max_output_tokens)."""
+    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"] if status == "completed" else "", "status": status}
+            "arguments": "" if status == "in_progress" else call["function"]["arguments"], "status": status}
+
+
+def item_status(finish_reason: str | None) -> str:
+    """The status of the items a finished choice wrote: cut short at its token limit or not."""
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 def response_object(response_id: str, created: int, model: str, request: ResponsesRequest,
                     output: list[dict[str, Any]], finish_reason: str | None, chat_usage: dict[str, int] | None) -> dict:
     """A response; `finish_reason` None: still in progress."""
-    status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
+    status = "in_progress" if finish_reason is None else item_status(finish_reason)
     return {"id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+            "completed_at": now() if status == "completed" else None,
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "usage": None if chat_usage is None else usage(chat_usage)} | request.echo()
@@ -181,11 +188,11 @@ def response_object(response_id: str, created: int, model: str, request: Respons
 def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[str, Any]:
     """A chat completion (one choice) as a response."""
     choice = completion["choices"][0]
-    message, output = choice["message"], []
+    message, output, status = choice["message"], [], item_status(choice["finish_reason"])
     if message.get("content"):
-        output.append(message_item(new_id("msg"), message["content"]))
+        output.append(message_item(new_id("msg"), message["content"], status))
     for call in message.get("tool_calls") or []:
-        output.append(call_item(new_id("fc"), call))
+        output.append(call_item(new_id("fc"), call, status))
     return response_object(new_id("resp"), completion["created"], completion["model"], request, output,
                            choice["finish_reason"], completion["usage"])
 
@@ -227,8 +234,8 @@ class ResponseEvents:
             for call in delta.get("tool_calls") or []:
                 events += self._call(call)
             if choice.get("finish_reason"):
-                events += self._close()
                 self._finish = choice["finish_reason"]
+                events += self._close(item_status(self._finish))
         if data.get("usage") is not None:
             kind = "response.incomplete" if self._finish == "length" else "response.completed"
             events.append(self._event(kind, response=self._response(data["usage"])))
@@ -263,21 +270,21 @@ class ResponseEvents:
                                       output_index=len(self.output), delta=piece))
         return events
 
-    def _close(self) -> list[str]:
-        """Finish the item being written (if any)."""
+    def _close(self, status: str = "completed") -> list[str]:
+        """Finish the item being written (if any), as `status` (the last one may be incomplete)."""
         item, self._open = self._open, None
         if item is None:
             return []
         index = len(self.output)
         if item["type"] == "message":
-            done = message_item(item["id"], item["text"])
+            done = message_item(item["id"], item["text"], status)
             part = done["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                                   text=item["text"], logprobs=[]),
                       self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                                   part=part)]
         else:
-            done = item | {"status": "completed"}
+            done = item | {"status": status}
             events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"], name=item["name"])]
         self.output.append(done)

@@ -57,9 +57,9 @@ def constraint(tools: list | None, tool_choice: Any, parallel_tool_calls: bool |
     return {"json": schema or FREE_ARGUMENTS, "disable_any_whitespace": True}
 
 
-def parse_calls(text: str, tool_choice: Any) -> list[dict[str, Any]] | None:
-    """The OpenAI `tool_calls` of a constrained answer, or None if it does not parse (an answer
-    cut short by max_tokens)."""
+def parse_calls(text: str, tool_choice: Any) -> list[dict[str, Any]]:
+    """The OpenAI `tool_calls` of a constrained answer; one cut short by max_tokens gives what
+    its stream gives: the calls named so far, their arguments as far as written."""
     if tool_choice == "required":
         return RequiredCalls.parse(text)
     return [tool_call(tool_choice.function.name, text)]
@@ -141,13 +141,13 @@ class RequiredCalls:
         return out
 
     @classmethod
-    def parse(cls, text: str) -> list[dict[str, Any]] | None:
-        """A whole answer's calls, or None if it is not a complete array of them."""
+    def parse(cls, text: str) -> list[dict[str, Any]]:
+        """A whole answer's calls, as its stream's deltas add up: those whose name is complete,
+        each with its arguments as far as written (all of them, whole, in a complete answer)."""
         reader = cls()
         reader.feed(text)
-        if not reader.closed or any(c["name"] is None or c["end"] is None for c in reader._calls):
-            return None
-        return [tool_call(c["name"], text[c["start"] : c["end"]]) for c in reader._calls]
+        return [tool_call(c["name"], "" if c["start"] is None else text[c["start"] : c["end"]])
+                for c in reader._calls if c["name"] is not None]
 
 
 def tool_call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
