@@ -24,7 +24,7 @@ EXAMPLES = """examples:
   jaxinfer generate --raw --temperature 0.8 --seed 1 "Once upon a time"
   jaxinfer generate --model ./my-llama-dir "Hello"
   jaxinfer generate --model gemma3-270m "Why is the sky blue?"
-  jaxinfer generate --mesh data=2,model=4 "Hello"   # 8 devices: 2-way data x 4-way tensor parallel
+  jaxinfer generate --mesh data=2,model=3 "Hello"   # 6 devices: 2-way data x 3-way tensor parallel
   jaxinfer generate --speculative ngram --num-speculative 4 "Repeat: a b c d"   # also self:8, draft, eagle
   jaxinfer convert model.gguf ./model-orbax     # orbax reloads faster than GGUF
   jaxinfer serve --port 8000 --api-key sk-local    # OpenAI-compatible API on 127.0.0.1
@@ -49,6 +49,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_compilation_cache_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compilation-cache", action="store_true",
                    help="do not keep compiled programs in $JAXINFER_CACHE/xla (the next start compiles them again)")
+
+
+def _add_kv_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache", default="auto", metavar="FORMAT|PLAN",
+                   help="KV-cache storage: 'auto' (the model's dtype), a format for every layer (int8, fp8_e4m3, "
+                   "fp8_e5m2, int4, int2, bf16, f32) or a per-layer plan's JSON file from `jaxinfer calibrate-kv`")
 
 
 def _add_async_flag(p: argparse.ArgumentParser) -> None:
@@ -142,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_flag(gen)
     gen.add_argument("--stats", action="store_true", help="print the engine metrics at the end")
     _add_speculative_flags(gen)
+    _add_kv_cache_flag(gen)
     _add_async_flag(gen)
     _add_compilation_cache_flag(gen)
     _add_mesh_flags(gen)
@@ -213,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=64)
     srv.add_argument("--no-prefix-caching", action="store_true")
     _add_speculative_flags(srv)
+    _add_kv_cache_flag(srv)
     _add_async_flag(srv)
     _add_compilation_cache_flag(srv)
     _add_mesh_flags(srv)
@@ -265,6 +273,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.sampling import SamplingParams
+    from jaxinfer.speculative.config import SpeculativeStats
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
@@ -276,10 +285,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError("--system is a chat message; --raw prompts skip the chat template")
     mesh = _mesh(args)
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len, mesh=mesh,  # checked before loading
-                          attention_impl=args.attention_impl, speculative=_speculative(args),
+                          attention_impl=args.attention_impl, speculative=_speculative(args), kv_cache=args.kv_cache,
                           async_scheduling=args.async_scheduling, compilation_cache=not args.no_compilation_cache)
     model = _load(args.model, args.dtype, mesh)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
+    if not args.raw and not chat and model.tokenizer is not None:
+        print("note: this model has no chat template, so prompts go in as raw text (as with --raw)", file=sys.stderr)
     if args.system is not None:
         if not chat:
             raise ValueError("--system needs a chat template, and this model has none")
@@ -305,8 +316,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         engine.close()
     _report_speed(engine, time.perf_counter() - start)
     if args.stats:
-        for key, value in dataclasses.asdict(engine.metrics()).items():
-            print(f"{key}: {value}", file=sys.stderr)
+        metrics = engine.metrics()
+        for field in dataclasses.fields(metrics):
+            value = getattr(metrics, field.name)
+            print(f"{field.name}: {value.summary() if isinstance(value, SpeculativeStats) else value}", file=sys.stderr)
 
 
 def _report_speed(engine, wall: float) -> None:
@@ -374,7 +387,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=args.max_model_len, attention_impl=args.attention_impl,
                           speculative=_speculative(args), async_scheduling=args.async_scheduling,
-                          compilation_cache=not args.no_compilation_cache, mesh=mesh)  # checked before loading
+                          kv_cache=args.kv_cache, compilation_cache=not args.no_compilation_cache,
+                          mesh=mesh)  # checked before loading
     model = _load(args.model, args.dtype, mesh)
     config = _fit_context(config, model)
     if spans_processes(mesh) and jax.process_index() != 0:  # process 0 schedules and serves HTTP; here: follow it

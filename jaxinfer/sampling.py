@@ -46,11 +46,11 @@ class SamplingParams:
     ValueError naming the field; `top_k` at or above the vocabulary keeps every token."""
 
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off (so is -1, vLLM's "off", stored as 0)
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None  # None: drawn from the engine's generator
-    max_tokens: int = 256
+    max_tokens: int | None = 256  # None: as many as the context leaves (the engine fills it in)
     # EOS and stop_token_ids cannot be sampled, nor stop strings end the request, before this
     # many tokens are generated (vLLM's)
     min_tokens: int = 0
@@ -81,16 +81,16 @@ class SamplingParams:
         step's arrays (`SamplingArrays`): f32 temperature/top_p/min_p, i32 top_k, u32 seed."""
         _check(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
                f"temperature={self.temperature!r} must be a finite number in [0, {MAX_TEMPERATURE:g}]")
-        _check(_is_int(self.top_k) and 0 <= self.top_k <= INT32_MAX,
-               f"top_k={self.top_k!r} must be an integer in [0, 2**31 - 1] (0 disables it; above the "
+        _check(_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
+               f"top_k={self.top_k!r} must be an integer in [0, 2**31 - 1] (0 or -1 disables it; above the "
                "vocabulary it keeps every token)")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
         _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**32),
                f"seed={self.seed!r} must be None or an integer in [0, 2**32)")
-        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX,
-               f"max_tokens={self.max_tokens!r} must be an integer in [1, 2**31 - 1]")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX),
+               f"max_tokens={self.max_tokens!r} must be None or an integer in [1, 2**31 - 1]")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or INT32_MAX),
                f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens!r}]")
         _check(isinstance(self.include_stop_str_in_output, bool),
                f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be a bool")
@@ -126,6 +126,7 @@ class SamplingParams:
         _check(self.output_kind in OUTPUT_KINDS, f"output_kind={self.output_kind!r} must be one of {OUTPUT_KINDS}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
         object.__setattr__(self, "logit_bias", bias)

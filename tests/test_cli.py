@@ -3,6 +3,7 @@ saves the interpreter start)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -39,8 +40,13 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
 
     dst = tmp_path / "orbax"
     jaxinfer("convert", str(smollm2_gguf), str(dst))
-    speculative = jaxinfer("generate", "--model", str(dst), "--speculative", "ngram", "--num-speculative", "3", *args)
+    speculative = jaxinfer("generate", "--model", str(dst), "--speculative", "ngram", "--num-speculative", "3", "--stats",
+                           *args)
     assert speculative.stdout == from_gguf.stdout
+    stats = ast.literal_eval(re.search(r"^speculative: (\{.*\})$", speculative.stderr, re.M).group(1))
+    assert stats["tokens_per_call"] == round(stats["emitted"] / stats["target_calls"], 4)
+    assert stats["emitted"] >= stats["target_calls"] > 0 and sum(stats["drafted"]) > 0  # the prompt has repeats
+    assert len(stats["acceptance_per_position"]) == 3
     penalized = jaxinfer("generate", "--model", str(dst), "--repetition-penalty", "2", *args)
     assert penalized.stdout.strip() and penalized.stdout != from_gguf.stdout
 
@@ -67,6 +73,8 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
                         (("--async-scheduling", "--speculative", "ngram"), "async_scheduling"),
                         (("--speculative-disable-by-batch-size", "2"), "needs --speculative"),
                         (("--raw", "--system", "Be brief."), "--system"),
+                        (("--kv-cache", "int3"), "kv_cache='int3'"),
+                        (("--kv-cache", str(tmp_path / "plan.json")), "plan.json"),
                         (("--speculative", "eagle", "--speculative-disable-by-batch-size", "2"),
                          "disable_by_batch_size works with 'ngram' and 'self'")]:
         status, err = run_main(capsys, "generate", *args, "hi")
@@ -77,7 +85,8 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
         status, err = run_main(capsys, "train-draft", "--kind", "eagle", "--out", str(tmp_path / "head"), *args)
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
     for args, named in [(("--tool-call-parser", "mistral"), "tool_call_parser='mistral': the parsers are hermes, llama3_json"),
-                        (("--enable-auto-tool-choice",), "needs --tool-call-parser")]:
+                        (("--enable-auto-tool-choice",), "needs --tool-call-parser"),
+                        (("--kv-cache", "int3"), "kv_cache='int3'")]:
         status, err = run_main(capsys, "serve", *args)  # refused before the model loads
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
     # an option of the other kind is refused, not silently ignored

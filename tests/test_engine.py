@@ -118,6 +118,8 @@ def test_bad_input_raises_at_add_request_and_serving_continues(model):
         (dict(prompt=[1, 2], request_id="ok"), "already in use"),
         (dict(prompt=[1, 2], params="greedy"), "SamplingParams"),
         (dict(prompt=[1, 2], cache_salt=7), "cache_salt"),
+        (dict(prompt=[1, 2], params=SamplingParams(stop_token_ids=(3, 500))), r"stop_token_ids: token ids \[500\]"),
+        (dict(prompt=[1] * 128, params=SamplingParams(max_tokens=None)), "leaves no room"),
     ]
     for kwargs, message in cases:
         kwargs.setdefault("params", GREEDY)
@@ -167,6 +169,13 @@ def test_request_timestamps_follow_the_request(model):
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
         assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
     assert second.metrics.first_scheduled_time >= first.metrics.finished_time
+
+
+def test_max_tokens_none_generates_to_the_end_of_the_context(model):
+    """vLLM's max_tokens=None: as many tokens as max_model_len leaves after the prompt."""
+    out = engine(model, max_model_len=48).generate([[5] * 20], SamplingParams(temperature=0, max_tokens=None,
+                                                                             ignore_eos=True))[0]
+    assert len(out.token_ids) == 28 and out.finish_reason == "length"
 
 
 def test_generate_takes_one_prompt_alone(model):

@@ -274,6 +274,11 @@ def test_invalid_formats_and_plans_raise_clear_errors(tmp_path):
         init_paged_kv(config, spec, kv_cache=KVCachePlan(formats=("int8",) * 3))
     with pytest.raises(ValueError, match="does not exist"):
         init_paged_kv(config, spec, kv_cache=str(tmp_path / "missing.json"))
+    # int4 keys are scaled per page: a plan holds its budget only at the page size it was calibrated at
+    calibrated_at_8 = KVCachePlan(formats=("int8", "int4"), page_size=8)
+    with pytest.raises(ValueError, match=r"calibrated at page_size=8 .*\['int4'\].* page_size=4"):
+        init_paged_kv(config, spec, kv_cache=calibrated_at_8)
+    init_paged_kv(config, spec, kv_cache=KVCachePlan(formats=("int8", "fp8_e4m3"), page_size=8))  # per token: any page size
     bad = tmp_path / "bad.json"
     for text, message in [("{not json", "not valid JSON"), ('{"layers": []}', "'formats' list"),
                           ('{"formats": ["int8", "int8"], "colour": 1}', "unknown fields"),

@@ -24,7 +24,7 @@ def arrays(n=1, **kw) -> SamplingArrays:
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"top_k": 2.5}, "top_k"),
         ({"min_p": 1.2}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
@@ -50,6 +50,12 @@ def arrays(n=1, **kw) -> SamplingArrays:
 def test_invalid_parameters_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_vllm_conventions_for_off_and_open_ended():
+    """top_k=-1 is "off" (stored as 0); max_tokens=None leaves the length to the context."""
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(top_k=-1) == SamplingParams()
+    assert SamplingParams(max_tokens=None, min_tokens=10).max_tokens is None
 
 
 def test_single_stop_string_is_accepted():
@@ -82,7 +88,7 @@ def test_params_that_validate_pack_into_the_step_arrays_exactly(field, value):
     with np.errstate(over="raise", under="ignore"):
         s = SamplingArrays.from_params([p], [p.seed or 0])
     assert int(s.top_k[0]) == p.top_k and int(s.seed[0]) == (p.seed or 0)
-    assert p.max_tokens <= INT32_MAX and all(0 <= i <= INT32_MAX for i in p.stop_token_ids)
+    assert (p.max_tokens or 0) <= INT32_MAX and all(0 <= i <= INT32_MAX for i in p.stop_token_ids)
     for name in ("temperature", "top_p", "min_p"):
         assert np.isfinite(getattr(s, name)[0])
     assert (s.temperature[0] > 0) == (p.temperature > 0)  # a sampled row never turns greedy on the device

@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from jaxinfer.attention.dispatch import IMPLS
+from jaxinfer.kv.plan import kv_cache_choice
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.model.layers import check_reads
 from jaxinfer.model.stacking import LAYER_LOOPS, WEIGHT_LAYOUTS
@@ -125,6 +126,7 @@ class EngineConfig:
             StreamingSpec(*self.streaming)  # validates both
         if not isinstance(self.compilation_cache, (bool, str, os.PathLike)):
             raise ValueError(f"EngineConfig.compilation_cache={self.compilation_cache!r} must be True, False or a directory")
+        kv_cache_choice(self.kv_cache, self.page_size)  # a bad name, plan file or page size: refused here
         if self.speculative is not None:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")

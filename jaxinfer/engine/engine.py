@@ -302,13 +302,22 @@ class Engine:
         matcher = None
         if params.structured_outputs is not None:  # a fresh matcher per request: it follows the request's tokens
             matcher = self._grammar_compiler().matcher(params.structured_outputs)
+        if params.max_tokens is None:  # the rest of the context
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
+                                 f"max_model_len={self.max_model_len}")
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        vocab = self.model.config.vocab_size
+        if bad := [t for t in params.stop_token_ids if t >= vocab]:
+            raise ValueError(f"stop_token_ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")
         if self._peak_pages(total) > self.scheduler.max_request_pages:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs more pages than "
-                             f"a request can hold ({self.scheduler.max_request_pages} of {self.spec.page_size} tokens)")
+                             f"a request can hold ({self.scheduler.max_request_pages} pages of {self.spec.page_size} "
+                             "tokens)")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         req = Request(request_id, ids, params, seed, self.model.config.eos_ids, self.model.tokenizer, cache_salt)
         req.matcher = matcher

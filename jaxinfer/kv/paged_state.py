@@ -133,7 +133,7 @@ def init_paged_kv(config: ModelConfig, spec: KVCacheSpec, dtype=None,
                                v=jnp.zeros((s.num_pages, s.page_size, *heads), dtype))
                        for s in map(layer_spec, range(config.n_layers)))
     else:
-        formats = resolve_kv_cache(kv_cache, config.n_layers, dtype.name)
+        formats = resolve_kv_cache(kv_cache, config.n_layers, dtype.name, spec.page_size)
         layers = tuple(make_layer_kv(f, layer_spec(i), config.n_kv_heads, config.head_dim, dtype, kv_head_copies)
                        for i, f in enumerate(formats))
     return PagedKVState(

@@ -84,23 +84,38 @@ class KVCachePlan:
 KVCacheArg = str | os.PathLike | KVCachePlan
 
 
-def resolve_kv_cache(kv_cache: KVCacheArg, n_layers: int, dtype: str) -> tuple[str, ...]:
-    """`kv_cache` -> one format name per layer.
-
-    "auto" is the dense format of `dtype` (the model's own precision); a format name applies
-    to every layer; a `KVCachePlan` or a path to its JSON file gives each layer its own.
-    """
+def kv_cache_choice(kv_cache: KVCacheArg, page_size: int | None = None) -> KVCachePlan | str:
+    """`kv_cache` checked: a `KVCachePlan` (given, or read from its JSON file) or a format
+    name ("auto" or one of `FORMAT_NAMES`). A plan with KIVI layers (int4 / int2: a key scale
+    per channel per page) holds its error budget only at the page size it was calibrated
+    at: another `page_size` is refused."""
     if isinstance(kv_cache, KVCachePlan):
         plan = kv_cache
     elif isinstance(kv_cache, os.PathLike) or (isinstance(kv_cache, str) and kv_cache.endswith(".json")):
         plan = KVCachePlan.load(kv_cache)
-    elif kv_cache == "auto":
-        return (DENSE_FORMAT_OF_DTYPE[str(dtype)],) * n_layers
-    elif isinstance(kv_cache, str) and kv_cache in FORMATS:
-        return (kv_cache,) * n_layers
+    elif kv_cache == "auto" or (isinstance(kv_cache, str) and kv_cache in FORMATS):
+        return kv_cache
     else:
         raise ValueError(f"unknown kv_cache={kv_cache!r}: use 'auto', a format name ({', '.join(FORMAT_NAMES)}), "
                          "a KVCachePlan or the path of a plan's JSON file")
-    if plan.n_layers != n_layers:
-        raise ValueError(f"KV-cache plan has {plan.n_layers} layers but the model has {n_layers}")
-    return plan.formats
+    per_page = sorted({f for f in plan.formats if get_format(f).has_tail})
+    if per_page and None not in (page_size, plan.page_size) and page_size != plan.page_size:
+        raise ValueError(f"KV-cache plan was calibrated at page_size={plan.page_size} and its {per_page} layers quantize "
+                         f"keys per page, so its error budget does not hold at page_size={page_size}: run it at "
+                         f"page_size={plan.page_size}, or calibrate one for {page_size} (`jaxinfer calibrate-kv "
+                         f"--page-size {page_size}`)")
+    return plan
+
+
+def resolve_kv_cache(kv_cache: KVCacheArg, n_layers: int, dtype: str, page_size: int | None = None) -> tuple[str, ...]:
+    """`kv_cache` -> one format name per layer (`kv_cache_choice` checks it).
+
+    "auto" is the dense format of `dtype` (the model's own precision); a format name applies
+    to every layer; a `KVCachePlan` or a path to its JSON file gives each layer its own.
+    """
+    choice = kv_cache_choice(kv_cache, page_size)
+    if isinstance(choice, str):
+        return ((DENSE_FORMAT_OF_DTYPE[str(dtype)] if choice == "auto" else choice),) * n_layers
+    if choice.n_layers != n_layers:
+        raise ValueError(f"KV-cache plan has {choice.n_layers} layers but the model has {n_layers}")
+    return choice.formats

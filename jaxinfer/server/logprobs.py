@@ -32,9 +32,13 @@ def completion_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float | N
     elements"). None entries (an echoed prompt's first token) stay None."""
     texts = [tok.token_text(i) for i in ids]
     starts = list(itertools.accumulate((len(t) for t in texts), initial=offset))
+
+    def with_token(text: str, logprob: float, alts: list[tuple[int, float]]) -> dict[str, float]:
+        top = {tok.token_text(i): v for i, v in alts}
+        return top if text in top else top | {text: logprob}
+
     obj = {"tokens": texts, "token_logprobs": logprobs, "text_offset": starts[:-1],
-           "top_logprobs": [None if alts is None else {tok.token_text(i): v for i, v in alts} | {text: v}
-                            | {tok.token_text(i): v for i, v in alts} for text, v, alts in zip(texts, logprobs, top)]}
+           "top_logprobs": [None if alts is None else with_token(text, v, alts) for text, v, alts in zip(texts, logprobs, top)]}
     return obj, starts[-1]
 
 

@@ -123,3 +123,14 @@ class SpeculativeStats:
     def tokens_per_call(self) -> float:
         """Mean tokens emitted per target forward of a decoding row (1.0 without drafts)."""
         return self.emitted / max(self.target_calls, 1)
+
+    def summary(self) -> dict[str, float | int | list[float]]:
+        """The figures (rounded; None for a position never drafted) with the counts behind them."""
+        return {"acceptance_rate": round(self.acceptance_rate, 4),
+                "acceptance_per_position": [None if d == 0 else round(a, 4)
+                                            for a, d in zip(self.acceptance_per_position, self.drafted)],
+                "tokens_per_call": round(self.tokens_per_call, 4), "target_calls": self.target_calls,
+                "emitted": self.emitted, "drafted": self.drafted.tolist(), "accepted": self.accepted.tolist()}
+
+    def __repr__(self) -> str:
+        return "SpeculativeStats(" + ", ".join(f"{k}={v}" for k, v in self.summary().items()) + ")"
