@@ -201,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
+    srv.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
+                     help="web pages (CORS origins, e.g. http://localhost:3000) whose scripts may call the API")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model name(s) clients send; the first is listed first (default: --model or 'default')")
     srv.add_argument("--tool-call-parser", default=None,
@@ -398,7 +401,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or [args.model or "default"]
     print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins)
     serve(server, args.host, args.port, grace_s=args.grace_period)
 
 

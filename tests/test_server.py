@@ -155,6 +155,10 @@ def test_tokenize_and_detokenize(srv, model):
     assert chat["token_strs"] is None
     back = httpx.post(f"{srv.url}/detokenize", json={"model": NAME, "tokens": r["tokens"]}).json()
     assert back == {"prompt": tok.decode(r["tokens"])}
+    rendered = httpx.post(f"{srv.url}/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert rendered == tok.apply_chat_template(messages) and rendered.startswith("<|im_start|>")  # special tokens stay
+    bare = httpx.post(f"{srv.url}/detokenize", json={"tokens": chat["tokens"], "skip_special_tokens": True}).json()
+    assert bare["prompt"] == tok.decode(chat["tokens"]) and "<|im_start|>" not in bare["prompt"]
     for path, body, param in [("/tokenize", {"model": NAME}, "prompt"), ("/detokenize", {"tokens": [10**7]}, "tokens"),
                               ("/detokenize", {"tokens": "abc"}, "tokens")]:
         err = httpx.post(f"{srv.url}{path}", json=body)
@@ -222,6 +226,10 @@ def test_seed_n_stop(client):
 
 BAD = [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, None, "/v1/completions"),
+    ({"content": b'{"prompt": "x"}', "headers": {"content-type": "application/x-www-form-urlencoded"}}, None,
+     "/v1/completions"),  # what `curl -d` sends without -H
+    ({"json": {"model": NAME, "prompt": "x", "stream_options": {"include_usage": True}}}, "stream_options",
+     "/v1/completions"),
     ({"json": {"model": NAME}}, "prompt", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "max_tokens": "many"}}, "max_tokens", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "top_p": 1.5}}, "top_p", "/v1/completions"),
@@ -604,7 +612,14 @@ def test_auth(small):
         r = httpx.post(f"{small.url}/v1/completions", json=body, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{small.url}/v1/models").status_code == 401
-    assert httpx.get(f"{small.url}/health").status_code == 200
+    assert httpx.post(f"{small.url}/tokenize", json={"prompt": "x"}).status_code == 401  # work for the server: keyed too
+    assert httpx.get(f"{small.url}/health").status_code == httpx.head(f"{small.url}/health").status_code == 200
+    assert httpx.get(f"{small.url}/metrics").status_code == 200
+    # a browser's CORS preflight carries no key; it is answered, and so is the request after it
+    preflight = httpx.options(f"{small.url}/v1/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
     ok = openai.OpenAI(base_url=f"{small.url}/v1", api_key=KEY, max_retries=0, timeout=T)
     assert ok.completions.create(**body).usage.completion_tokens >= 1
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,13 +51,14 @@ class OpenAIServer:
     (the first is the one `/v1/models` lists first and responses to requests naming none carry)."""
 
     def __init__(self, loop: EngineLoop, model_name: str | Sequence[str], api_key: str | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, allowed_origins: Sequence[str] = ("*",)):
         self.tool_call_parser = call_parser(tool_call_parser)  # "auto" tool choice: calls read from the text
         self.loop = loop
         self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         if not self.model_names:
             raise ValueError("an OpenAIServer needs at least one served model name")
         self.api_key = api_key
+        self.allowed_origins = list(allowed_origins)  # CORS: the web pages whose scripts may call the API
         self.tokenizer = loop.engine.model.tokenizer
         self.max_model_len = loop.engine.max_model_len
 
@@ -118,9 +120,10 @@ class OpenAIServer:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
-        """`POST /detokenize` (vLLM's): the text of token ids."""
+        """`POST /detokenize` (vLLM's): the text of token ids, special tokens included unless
+        `skip_special_tokens` (so a chat prompt from `/tokenize` comes back as rendered)."""
         self.check_model(body)
-        return {"prompt": self._tokenize("tokens", lambda tok: tok.decode(body.tokens))}
+        return {"prompt": self._tokenize("tokens", lambda tok: tok.decode(body.tokens, body.skip_special_tokens))}
 
     def _tokenize(self, param: str, encode: Callable[[Any], T]) -> T:
         """`encode(tokenizer)` (or decode). What the tokenizer or chat template refuses (text
@@ -164,9 +167,11 @@ class OpenAIServer:
                             param="best_of")
         if body.num_logprobs is not None:
             self._tokenizer("logprobs")  # token strings need it
+        if body.stream_options is not None and not body.stream:
+            raise ErrorBody(400, "stream_options is only allowed with stream: true", param="stream_options")
         if body.max_tokens == 0 and not getattr(body, "echo", False):
-            raise ErrorBody(400, "max_tokens must be at least 1 (0 only with echo: the prompt scored, nothing generated)",
-                            param="max_tokens")
+            with_echo = " (0 only with echo: the prompt scored, nothing generated)" if hasattr(body, "echo") else ""
+            raise ErrorBody(400, f"max_tokens must be at least 1{with_echo}", param="max_tokens")
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         if body.max_tokens == 0:
@@ -479,9 +484,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
     _add_error_handlers(app)
     if server.api_key:
         app.add_middleware(ApiKeyAuth, api_key=server.api_key)
+    # outside the key check: a browser's preflight (OPTIONS) carries no key; vLLM's defaults
+    app.add_middleware(CORSMiddleware, allow_origins=server.allowed_origins, allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(RequestIds)  # added last: outermost, so it also sees what the others do
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         engine = server.loop.engine
         if not engine.ready:  # read-only peek at the engine thread's state: a momentary answer
@@ -549,7 +556,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def on_invalid(_, e: RequestValidationError):
+    async def on_invalid(request: Request, e: RequestValidationError):
+        kind = request.headers.get("content-type", "")
+        if request.method == "POST" and not kind.split(";")[0].strip().lower().endswith("json"):
+            return _error(400, f"send the body as JSON with 'Content-Type: application/json' (got {kind or 'none'!r})",
+                          code="invalid_content_type")
         first = e.errors()[0]
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _union_member(p)) or None
         if first.get("type") == "json_invalid" or param is None:
@@ -573,14 +584,17 @@ def _union_member(part: str | int) -> bool:
 
 
 class ApiKeyAuth:
-    """`/v1/*` needs `Authorization: Bearer <api_key>`; anything else answers 401."""
+    """Every path but `OPEN_PATHS` needs `Authorization: Bearer <api_key>` (else 401): the API,
+    `/tokenize` and `/detokenize` (work for the server), `/version`, the OpenAPI docs."""
+
+    OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS and not self._authorized(scope):
             response = _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                               code="invalid_api_key", err_type="authentication_error")
             return await response(scope, receive, send)

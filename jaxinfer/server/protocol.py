@@ -320,6 +320,7 @@ class DetokenizeRequest(Body):
 
     model: str | None = None
     tokens: list[int]
+    skip_special_tokens: bool = False  # as transformers' decode: `<|im_start|>` and the like stay
 
 
 def new_id(prefix: str) -> str:
