@@ -49,7 +49,7 @@ def test_stop_string_cuts_the_text_and_stops(eng):
     streamed = "".join(eng.stream(PROMPTS[0], params))
     [out] = eng.generate([PROMPTS[0]], params)
     assert out.text == full.text[:cut] == streamed
-    assert out.finish_reason == "stop"
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop) and full.stop_reason is None
     assert len(out.token_ids) < 24
 
 
@@ -58,12 +58,12 @@ def test_stop_token_and_eos_end_generation_including_the_token(eng, model):
     stop_id = full.token_ids[5]
     first = full.token_ids.index(stop_id)
     [out] = eng.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop_id,)))
-    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: first + 1] and (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
     eos_model = Model(config=model.config.replace(eos_ids=(stop_id,)), params=model.params, tokenizer=model.tokenizer)
     eos_engine = Engine(eos_model, EngineConfig(max_slots=1, max_model_len=64))
     [out] = eos_engine.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24))
-    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: first + 1] and (out.finish_reason, out.stop_reason) == ("stop", None)
 
 
 def test_min_tokens_and_include_stop_str_in_output(eng, model):

@@ -219,6 +219,7 @@ def test_seed_n_stop(client):
     stop = full.strip().split()[1]  # a word in the middle of the seeded output
     cut = client.completions.create(**(kw | {"n": 1, "stop": [stop]}))
     assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].stop_reason == stop and a.choices[0].stop_reason is None  # vLLM's: which stop ended it
     kept = client.completions.create(**(kw | {"n": 1, "stop": [stop], "extra_body": {"ignore_eos": True,
                                                                                    "include_stop_str_in_output": True}}))
     assert kept.choices[0].text == full[: full.index(stop) + len(stop)]

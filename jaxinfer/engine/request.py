@@ -62,6 +62,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     metrics: RequestMetrics
+    # vLLM's: what stopped a "stop" request, the stop string matched or the stop token id
+    # (one of `stop_token_ids`); None for EOS, a finished grammar, or any other finish
+    stop_reason: str | int | None = None
     # With SamplingParams.logprobs set (else None), one entry per token of `token_ids`: its
     # logprob, and its most likely alternatives as (token id, logprob), most likely first.
     logprobs: list[float] | None = None
@@ -106,6 +109,7 @@ class Request:
         self.draft_carry = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # `RequestOutput.stop_reason`
         self.block_hashes: list[bytes] | None = None  # computed on first admission
         self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt))
         self.text = ""
@@ -167,8 +171,10 @@ class Request:
         m.last_token_time = now
         if self.matcher is not None:
             self.matcher.consume(token)
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if token in self.eos_ids and not p.ignore_eos:
             self.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
         elif self._decoder is not None:
             self._append_text(self._decoder.push(token))
         if self.finish_reason is None and self.matcher is not None and self.matcher.done:
@@ -193,6 +199,7 @@ class Request:
             cut, stop = min(found, key=lambda match: match[0])
             end = cut + len(stop) if self.params.include_stop_str_in_output else cut
             self.text, self.finish_reason, self._stopped_by_string = self.text[:end], "stop", True
+            self.stop_reason = stop
 
     def take_output(self) -> RequestOutput | None:
         """The progress since the last call (text held back while a stop string may match),
@@ -212,7 +219,7 @@ class Request:
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=token_ids,
             text=text, delta_token_ids=delta_ids, delta_text=delta_text, finished=done,
-            finish_reason=self.finish_reason, metrics=self.metrics,
+            finish_reason=self.finish_reason, metrics=self.metrics, stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs[since:],
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[since:],
         )

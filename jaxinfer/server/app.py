@@ -300,7 +300,8 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
                 if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
                     lp, offsets[index] = logprobs(out, offsets[index])
                     yield _sse(chunk([{"index": index, "text": out.delta_text, "logprobs": lp,
-                                       "finish_reason": out.finish_reason if out.finished else None}]))
+                                       "finish_reason": out.finish_reason if out.finished else None,
+                                       "stop_reason": out.stop_reason}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(prompt_tokens, generated)))
             yield DONE
@@ -308,7 +309,7 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
 
     finals = await _collect(server, raw, sink, rids)
     choices = [{"index": i, "text": echoed[i // n] + o.text, "finish_reason": o.finish_reason,
-                "logprobs": join_logprobs(echo_lps[i // n], logprobs(o, len(echoed[i // n]), new_only=False)[0])}
+                "stop_reason": o.stop_reason, "logprobs": join_logprobs(echo_lps[i // n], logprobs(o, len(echoed[i // n]), new_only=False)[0])}
                for i, o in finals]
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prompt_tokens, sum(len(o.token_ids) for _, o in finals))}
@@ -397,7 +398,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                 if out.finished:
                     called = readers[index].closed if required else parsed and readers[index].calls > 0
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
-                                       "finish_reason": finish(out, called)}]))
+                                       "finish_reason": finish(out, called), "stop_reason": out.stop_reason}]))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
             yield DONE
@@ -417,7 +418,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     for i, o in finals:
         msg, calls = message(o)
         choices.append({"index": i, "message": msg, "logprobs": logprobs(o, new_only=False),
-                        "finish_reason": finish(o, (required or parsed) and bool(calls))})
+                        "finish_reason": finish(o, (required or parsed) and bool(calls)), "stop_reason": o.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
 
