@@ -114,9 +114,11 @@ def test_generate_rejects_a_bad_batch_without_leaving_requests_behind(eng):
     with pytest.raises(ValueError, match="empty"):
         eng.generate([PROMPTS[0], ""], GREEDY)
     with pytest.raises(ValueError, match="non-empty list"):
-        eng.generate("a bare string", GREEDY)
+        eng.generate([], GREEDY)
     assert not eng.requests and not eng.has_unfinished_requests()
-    assert len(eng.generate([PROMPTS[0]], GREEDY)[0].token_ids) == 24
+    [out] = eng.generate([PROMPTS[0]], GREEDY)
+    assert len(out.token_ids) == 24
+    assert [o.token_ids for o in eng.generate(PROMPTS[0], GREEDY)] == [out.token_ids]  # a text alone: a batch of one
 
 
 class _PieceDecoder:
