@@ -219,7 +219,7 @@ class ChatMessage(Body):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.text for part in self.content if part.type == "text")
+        return "".join(part.text for part in self.content)  # text parts only (`_text_parts_only`)
 
 
 class ChatTemplateOptions(Body):
