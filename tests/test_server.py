@@ -179,6 +179,12 @@ def test_completion_greedy_equals_engine(srv, client, model):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])  # without continuous_usage_stats: the last chunk only
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body=extra))
+    counts = [c.usage.completion_tokens for c in chunks]  # every chunk carries the usage so far
+    assert counts == sorted(counts) and counts[-1] == counts[-2] == 12 and counts[0] < 12
 
 
 def test_chat_greedy_equals_engine(srv, client, model):
@@ -193,6 +199,12 @@ def test_chat_greedy_equals_engine(srv, client, model):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, ending at the total
+    chunks = list(client.chat.completions.create(stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **kw))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 10
+    assert {c.usage.prompt_tokens for c in chunks} == {len(ids)}
 
 
 def test_raw_sse_format(srv):

@@ -235,6 +235,13 @@ class OpenAIServer:
                 self.loop.abort(rids)
 
 
+def running_usage(body: _Common) -> Callable[[int, int], dict | None]:
+    """vLLM's `stream_options.continuous_usage_stats`: (prompt, generated so far) -> the usage
+    every chunk carries; None (the chunk's `usage: null`) without it."""
+    continuous = body.include_usage and body.stream_options.continuous_usage_stats
+    return lambda prompt, generated: usage(prompt, generated) if continuous else None
+
+
 def engine_failure(message: str) -> ErrorBody:
     """A request the engine accepted and then could not run (it logged why, with the request id)."""
     return ErrorBody(500, f"the engine stopped this request: {message}", code="engine_error", err_type="server_error")
@@ -282,6 +289,8 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
             d["usage"] = use
         return d
 
+    running = running_usage(body)
+
     def logprobs(out, offset=0, new_only=True):
         if not wants_logprobs:
             return None, offset
@@ -294,14 +303,14 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
             if body.echo:
                 for i in range(len(rids)):
                     yield _sse(chunk([{"index": i, "text": echoed[i // n], "logprobs": echo_lps[i // n],
-                                       "finish_reason": None}]))
+                                       "finish_reason": None}], running(prompt_tokens, 0)))
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
                 if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
                     lp, offsets[index] = logprobs(out, offsets[index])
                     yield _sse(chunk([{"index": index, "text": out.delta_text, "logprobs": lp,
                                        "finish_reason": out.finish_reason if out.finished else None,
-                                       "stop_reason": out.stop_reason}]))
+                                       "stop_reason": out.stop_reason}], running(prompt_tokens, generated)))
             if body.include_usage:
                 yield _sse(chunk([], usage(prompt_tokens, generated)))
             yield DONE
@@ -352,6 +361,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             d["usage"] = use
         return d
 
+    running = running_usage(body)
+
     def logprobs(out, new_only=True):
         return chat_logprobs(server.tokenizer, *tokens_of(out, new_only)) if body.logprobs else None
 
@@ -367,7 +378,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         async def stream():
             for i in range(len(rids)):
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}]))
+                                   "finish_reason": None}], running(len(ids), 0)))
             generated, started = 0, [False] * len(rids)
             # per choice, what reads calls in its text: "required" calls as they are written
             # (`RequiredCalls`), "auto" with a parser the calls among the content (`TextCalls`)
@@ -394,11 +405,13 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                 else:
                     delta = {"content": text} if text or with_logprobs else {}
                 if delta or with_logprobs:
-                    yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out), "finish_reason": None}]))
+                    yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out), "finish_reason": None}],
+                                     running(len(ids), generated)))
                 if out.finished:
                     called = readers[index].closed if required else parsed and readers[index].calls > 0
                     yield _sse(chunk([{"index": index, "delta": {}, "logprobs": None,
-                                       "finish_reason": finish(out, called), "stop_reason": out.stop_reason}]))
+                                       "finish_reason": finish(out, called), "stop_reason": out.stop_reason}],
+                                     running(len(ids), generated)))
             if body.include_usage:
                 yield _sse(chunk([], usage(len(ids), generated)))
             yield DONE
