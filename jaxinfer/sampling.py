@@ -82,7 +82,7 @@ class SamplingParams:
         _check(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
                f"temperature={self.temperature!r} must be a finite number in [0, {MAX_TEMPERATURE:g}]")
         _check(_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
-               f"top_k={self.top_k!r} must be an integer in [0, 2**31 - 1] (0 or -1 disables it; above the "
+               f"top_k={self.top_k!r} must be an integer in [-1, 2**31 - 1] (0 or -1 disables it; above the "
                "vocabulary it keeps every token)")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, f"top_p={self.top_p!r} must be in (0, 1]")
         _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p={self.min_p!r} must be in [0, 1]")

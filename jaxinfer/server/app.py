@@ -170,7 +170,7 @@ class OpenAIServer:
         if body.stream_options is not None and not body.stream:
             raise ErrorBody(400, "stream_options is only allowed with stream: true", param="stream_options")
         if body.max_tokens == 0 and not getattr(body, "echo", False):
-            with_echo = " (0 only with echo: the prompt scored, nothing generated)" if hasattr(body, "echo") else ""
+            with_echo = " (0 only with echo: the prompt scored, nothing generated)" if isinstance(body, CompletionRequest) else ""
             raise ErrorBody(400, f"max_tokens must be at least 1{with_echo}", param="max_tokens")
         if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})

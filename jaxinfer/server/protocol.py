@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (clients send many optional ones); known fields are typed so a
 wrongly typed value is a 400 naming the field. Range checks live in `SamplingParams`; the
-fields it never sees as they were sent (seed, top_k's -1, the penalties) are checked here.
+fields it never sees as they were sent (seed, the penalties) are checked here.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class _Common(Body):
         """One SamplingParams per choice (choice i of a seeded request uses seed + i)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        base = dict(temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
+        base = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                     min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=tuple(stop),
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
