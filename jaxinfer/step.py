@@ -204,6 +204,14 @@ def feed_decode_tokens(host_tokens: jax.Array, feed: jax.Array, previous_decode:
     return jnp.where(feed >= 0, previous[jnp.maximum(feed, 0)], host_tokens)
 
 
+def step_logits(out) -> tuple:
+    """`step_logprobs`'s arguments out of a step's outputs: a plain step's `StepOutput`, or a
+    speculative step's (whose logits score each row's verified block)."""
+    if isinstance(out, StepOutput):
+        return out.decode_logits, out.decode_row_tokens, out.prefill_logits, out.prefill_tokens
+    return out.logits, out.row_tokens, out.prefill_logits, out.prefill_tokens
+
+
 @jax.jit
 def step_logprobs(logits: jax.Array, tokens: jax.Array, prefill_logits: jax.Array | None = None,
                   prefill_tokens: jax.Array | None = None) -> tuple[TokenLogprobs, TokenLogprobs | None]:

@@ -23,6 +23,7 @@ compile) run only on the device; `benchmarks/device_check.py` runs the kernels t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import sys
@@ -220,10 +221,23 @@ def mosaic_matrix() -> list[tuple[str, str, str, Shape, bool]]:
             if mgpu_supports(abstract_pages(f, s), s.q_heads, decode=k == "decode")]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pallas_kernels.lowering",
+        description="Export every Pallas kernel x target x cache format x option set with jax.export (`matrix`) "
+                    "and print a table of what lowered; exit status 1 if anything failed. Runs on CPU.")
+    parser.add_argument("--kernel", choices=KERNELS, action="append", help="only this kernel (repeatable)")
+    parser.add_argument("--target", choices=tuple(TARGETS), action="append", help="only this target (repeatable)")
+    parser.add_argument("--format", choices=KERNEL_FORMATS, action="append", dest="formats",
+                        help="only this cache format (repeatable)")
+    args = parser.parse_args(argv)
+    rows = [row for row in matrix() if (args.kernel is None or row[0] in args.kernel)
+            and (args.target is None or row[1] in args.target) and (args.formats is None or row[2] in args.formats)]
+    if not rows:
+        parser.error("no combination matches these filters")
     counts: dict[tuple[str, str], list[int]] = {}
     start = time.perf_counter()
-    for kernel, target, fmt, shape, with_options in matrix():
+    for kernel, target, fmt, shape, with_options in rows:
         tally = counts.setdefault((kernel, target), [0, 0])
         tally[0] += 1
         try:

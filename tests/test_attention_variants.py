@@ -97,6 +97,16 @@ def test_bad_masking_options_raise():
             paged_attention_reference(*args, **bad)
 
 
+@pytest.mark.parametrize("t", [1, 3])  # the decode layout and the general one
+def test_query_heads_that_do_not_fit_the_cache_raise(t):
+    kv, table = one_page(np.zeros((4, 2, 2)), np.zeros((4, 2, 2)))  # 2 KV heads of dim 2
+    index = jnp.zeros((1, t), jnp.int32)
+    with pytest.raises(ValueError, match="query heads 3 must be a multiple of KV heads 2"):
+        paged_attention_reference(jnp.zeros((1, t, 3, 2)), kv, table, jnp.array([4]), index, 1.0)
+    with pytest.raises(ValueError, match="head_dim 4"):
+        paged_attention_reference(jnp.zeros((1, t, 4, 4)), kv, table, jnp.array([4]), index, 1.0)
+
+
 # ---- sliding windows over pages -----------------------------------------------------------------
 
 

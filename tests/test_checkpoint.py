@@ -303,6 +303,16 @@ def test_hf_broken_checkpoint_raises_checkpoint_error(llama_dir, tmp_path, case)
     assert str(directory) in error_message(excinfo)
 
 
+def test_hf_config_with_fewer_layers_than_the_weights_warns(llama_dir, tmp_path):
+    directory = copy_of(llama_dir, tmp_path)
+    stored = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+    rewrite_config(directory, num_hidden_layers=stored - 1)
+    with pytest.warns(UserWarning, match=f"not used by its config.*layers up to {stored - 1} but config.json has "
+                                         f"num_hidden_layers={stored - 1}"):
+        config, _ = load_hf_dir(directory)
+    assert config.n_layers == stored - 1
+
+
 def test_hf_unsupported_architecture(tmp_path):
     import transformers
 
@@ -573,6 +583,14 @@ def test_orbax_missing_params_and_bad_config(tmp_path):
     shutil.rmtree(tmp_path / "a" / "params")
     with pytest.raises(CheckpointError, match="cannot restore orbax checkpoint"):
         load_checkpoint(tmp_path / "a")
+    save_orbax(config, init_random_params(config), tmp_path / "t")
+    data = max((f for f in (tmp_path / "t" / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # the largest data file, truncated
+    with pytest.raises(CheckpointError) as excinfo:
+        load_checkpoint(tmp_path / "t")
+    message = error_message(excinfo)  # tensorstore's own error, in one line; not orbax's wrappers' spec dumps
+    assert "cannot restore orbax checkpoint (truncated or corrupt?)" in message and "OUT_OF_RANGE" in message
+    assert len(message.splitlines()) == 1 and "TensorStore" not in message
     save_orbax(config, init_random_params(config), tmp_path / "b")
     fields = json.loads((tmp_path / "b" / "config.json").read_text())
     del fields["n_heads"]

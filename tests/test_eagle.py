@@ -170,6 +170,10 @@ def test_bad_eagle_heads_are_rejected(model, tmp_path):
     with pytest.raises(ValueError, match="fusion weights"):
         bind_head(model, dataclasses.replace(fused, feature_layers=(1,)), np.arange(10))
     assert SpeculativeConfig.parse("eagle:/x", 3).draft == "/x"
+    assert SpeculativeConfig.parse("self:6", 3).self_layers == 6
+    for bad in ("self:abc", "self:-2", "ngram:3", "medusa"):
+        with pytest.raises(ValueError, match=f"--speculative '{bad}': "):
+            SpeculativeConfig.parse(bad)
 
 
 # ---- the sampled distribution, end to end (helpers shared with test_speculative_engine) -------

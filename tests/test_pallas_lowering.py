@@ -63,3 +63,13 @@ def test_lowering_names_bad_arguments():
         lowering.lower("verify", "cuda_sm90", "dense")
     with pytest.raises(ValueError, match="mla_decode lowers for fmt='dense'"):
         lowering.lower("mla_decode", "cuda_sm90", "int8", lowering.MLA_SHAPES[0])
+
+
+def test_command_line_filters_the_matrix(capsys):
+    assert lowering.main(["--kernel", "mla_decode", "--target", "tpu_v5e"]) == 0
+    table = capsys.readouterr().out
+    assert f"| mla_decode | tpu_v5e | {len(lowering.MLA_SHAPES)} / {len(lowering.MLA_SHAPES)} | 0 |" in table
+    assert "| decode" not in table
+    with pytest.raises(SystemExit) as exit_:
+        lowering.main(["--help"])
+    assert exit_.value.code == 0 and "--kernel" in capsys.readouterr().out

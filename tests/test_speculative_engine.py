@@ -145,12 +145,13 @@ def test_verify_rows_shrink_to_the_requests_decoding_and_change_no_token(model, 
 @pytest.mark.parametrize("source", ["draft", "ngram"])
 def test_speculation_compiles_nothing_after_warmup(model, source):
     eng = engine(model, draft_sources(model)[source], num_pages=TIGHT)
-    eng.warmup()
+    eng.warmup(logprobs=True)
     before = eng.metrics().obtained_programs
     rng = np.random.default_rng(3)
     ps = [rng.integers(0, 97, int(rng.integers(1, 34))).tolist() for _ in range(30)]
     sp = [SamplingParams(temperature=float(rng.choice([0.0, 1.0])), top_k=int(rng.integers(0, 5)),
-                         max_tokens=int(rng.integers(1, 30)), ignore_eos=True, seed=i) for i in range(30)]
+                         max_tokens=int(rng.integers(1, 30)), ignore_eos=True, seed=i,
+                         logprobs=1 if i % 3 == 0 else None) for i in range(30)]
     eng.generate(ps, sp)
     assert eng.metrics().obtained_programs == before
 

@@ -64,6 +64,27 @@ def test_warmup_with_penalties_compiles_what_penalized_requests_run(model):
     assert eng.metrics().obtained_programs == compiled
 
 
+def test_warmup_with_logprobs_compiles_what_logprob_requests_run(model):
+    """`warmup(logprobs=True)` (what the server starts) also compiles the logprob program, once
+    per shape of a step's logits: requests that ask for logprobs then compile nothing. Without
+    it the first such step compiles one."""
+    sp = [SamplingParams(max_tokens=12, logprobs=2), SamplingParams(temperature=0.9, seed=1, max_tokens=30, logprobs=0),
+          SamplingParams(max_tokens=5)]
+    eng = Engine(model, dataclasses.replace(CONFIG, max_slots=3))  # shapes no other test compiled
+    eng.warmup(logprobs=True)
+    compiled = eng.metrics().obtained_programs
+    logits_shapes = 1 + len(eng.decode_row_buckets)  # decode rows with prefill rows; each row bucket alone
+    assert compiled == len(eng.program_keys()) + 1 + logits_shapes
+    outs = eng.generate(prompts(3, seed=5), sp)
+    assert [len(o.logprobs) for o in outs[:2]] == [12, 30]
+    assert eng.metrics().obtained_programs == compiled
+    plain = Engine(model, dataclasses.replace(CONFIG, max_slots=5))
+    plain.warmup()
+    compiled = plain.metrics().obtained_programs
+    plain.generate(prompts(3, seed=5), sp)
+    assert plain.metrics().obtained_programs > compiled
+
+
 def test_background_warmup_serves_the_same_tokens_and_compiles_each_program_once(model):
     sp = SamplingParams(temperature=0.8, seed=3, max_tokens=24)
     reference = [o.token_ids for o in Engine(model, CONFIG).generate(prompts(6, seed=2), sp)]

@@ -23,7 +23,7 @@
 
 Which GPU kernel runs (`gpu_kernel_family`), as measured on an H200 (jax 0.11.2, BENCHMARKS.md):
 decode runs the Pallas Triton kernel (`paged_decode_gpu`: 0.78 of copy bandwidth in bf16,
-1.8x the Mosaic GPU decode kernel); chunked prefill on Hopper (compute capability 9.x) runs
+1.4x-2.2x the Mosaic GPU decode kernel); chunked prefill on Hopper (compute capability 9.x) runs
 the Pallas Mosaic GPU kernel (`pallas_kernels.paged_attention_mgpu`, wgmma) over dense
 bf16/f16, int8 and fp8 pages where its tiles fit, and the Triton kernel elsewhere (f32 and
 KIVI pages, pre-Hopper GPUs). Triton is deprecated from JAX 0.11 but is the only Pallas

@@ -66,6 +66,7 @@ def paged_attention_reference(
     """
     check_mask_options(q.shape[2], window, num_sinks, sink_logits, soft_cap)
     k, v = layer_kv.gather(block_tables, kv_lengths, slots)  # [B, S, Hkv, Dh] each, dequantized
+    check_heads(q, k)
     key_index = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]  # [1, S]
     visible = visible_keys(key_index, kv_lengths, query_index, window, num_sinks)
     if q.shape[1] == 1 and k.shape[2] <= DECODE_LAYOUT_MAX_KV_HEADS:
@@ -84,6 +85,15 @@ def check_mask_options(num_heads: int, window, num_sinks, sink_logits, soft_cap)
         raise ValueError(f"soft_cap={soft_cap!r} must be None or positive")
     if sink_logits is not None and tuple(sink_logits.shape) != (num_heads,):
         raise ValueError(f"sink_logits has shape {tuple(sink_logits.shape)}, expected ({num_heads},)")
+
+
+def check_heads(q: jax.Array, k: jax.Array) -> None:
+    """Trace-time check that queries [B, T, Hq, D] can be grouped over keys [B, S, Hkv, D]."""
+    (hq, d), (hkv, dk) = q.shape[2:], k.shape[2:]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
+    if d != dk:
+        raise ValueError(f"q head_dim {d} != the cache's head_dim {dk}")
 
 
 def visible_keys(
@@ -108,6 +118,7 @@ def visible_keys(
 def attention_scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
     """q: [B, T, Hq, D], k: [B, S, Hkv, D] -> f32[B, Hkv, Hq/Hkv, T, S] (query heads grouped
     by the KV head they read: head h = kv_head * group + g)."""
+    check_heads(q, k)
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +113,13 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
 
     with contextlib.ExitStack() as stack, jax.default_device(jax.devices("cpu")[0]):
         handles: dict[Path, Any] = {}
+        read: set[str] = set()
 
         def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
             tensor_name = _hf_tensor_name(config, name)
             if tensor_name not in weight_map:
                 raise CheckpointError(f"{path}: missing tensor {tensor_name!r}")
+            read.add(tensor_name)
             file = path / weight_map[tensor_name]
             if file not in handles:
                 handles[file] = stack.enter_context(_safe_open(file))
@@ -129,7 +133,23 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
                 raise CheckpointError(f"{file}: tensor {tensor_name!r}: {error}") from error
 
         with as_checkpoint_error(path):
-            return config, build_params(config, get, place=place)
+            params = build_params(config, get, place=place)
+    _warn_unused(path, config, set(weight_map) - read)
+    return config, params
+
+
+def _warn_unused(path: Path, config: ModelConfig, unused: set[str]) -> None:
+    """Tensors the config does not read are most often a config that does not match its
+    weights (fewer layers than stored): say so, as transformers does, without refusing."""
+    unused = {name for name in unused if not name.endswith("rotary_emb.inv_freq")}  # old RoPE buffers
+    if not unused:
+        return
+    layers = {int(m.group(1)) for name in unused if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    hint = (f"; the weights hold layers up to {max(layers)} but config.json has num_hidden_layers={config.n_layers}"
+            if layers and min(layers) >= config.n_layers else "")
+    names = sorted(unused)
+    warnings.warn(f"{path}: {len(names)} tensors are not used by its config ({', '.join(names[:3])}"
+                  f"{', ...' if len(names) > 3 else ''}){hint}", stacklevel=3)
 
 
 def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) -> ModelConfig:

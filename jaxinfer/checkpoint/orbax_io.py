@@ -103,10 +103,17 @@ def load_orbax(
         with ocp.StandardCheckpointer() as checkpointer:
             params = checkpointer.restore(path / PARAMS_DIR, target)
     except Exception as error:  # orbax/tensorstore raise many types for missing/corrupt data
-        raise CheckpointError(
-            f"{path / PARAMS_DIR}: cannot restore orbax checkpoint: {type(error).__name__}: {error}"
-        ) from error
+        raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore orbax checkpoint (truncated or corrupt?): "
+                              f"{_root_cause(error)}") from error
     return config, params
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error's first line: orbax wraps tensorstore's (`OUT_OF_RANGE: Error
+    reading "layers.0.wk" ...`) in errors that print the whole TensorStore spec."""
+    while (inner := error.__cause__ or error.__context__) is not None:
+        error = inner
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def read_orbax_config(path: Path) -> ModelConfig:

@@ -59,7 +59,7 @@ from jaxinfer.speculative.drafts.ngram import NgramIndex
 from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead, load_eagle_head
 from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
-from jaxinfer.step import PrefillBatch, StepBatch, engine_step, feed_decode_tokens, step_logprobs
+from jaxinfer.step import PrefillBatch, StepBatch, engine_step, feed_decode_tokens, step_logits, step_logprobs
 from jaxinfer.structured_output import GrammarCompiler, allow_all
 
 
@@ -152,6 +152,8 @@ class Engine:
         self._fallbacks: dict[ProgramKey, str] = {}  # key -> the kernel that failed
         self._warned: set[str] = set()  # kernels a fallback warning named already
         self._compiled: set[ProgramKey] = set()  # programs `_compile` compiled (kernels or their fallback)
+        self._warm_logprobs = False  # `_compile` also compiles the logprob program of each step's outputs
+        self._logprob_shapes: set[tuple] = set()  # the step-output shapes it was compiled for
         self._place, self._place_drafts = (lambda batch: batch), (lambda drafts: drafts)
         # the device's block tables, kept equal to the scheduler's page lists by the entries that change
         self._tables = TableMirror(config.max_slots, pages_per_seq, updates_size(config.max_slots, config.page_size,
@@ -625,17 +627,15 @@ class Engine:
         if drafts is None:
             self.kv, out = self._compiles.call(fn, *args)
             device_tokens, accepted = out.decode_tokens, None  # i32[B]
-            logits, row_tokens = out.decode_logits, out.decode_row_tokens  # f32[R, V], i32[R]
             prefill = self._no_prefill if out.prefill_tokens is None else out.prefill_tokens
             self._previous_tokens = (device_tokens, prefill)
         else:
             self.kv, self.draft_kv, out = self._compiles.call(fn, *args)
             device_tokens, accepted = out.tokens, out.num_accepted  # i32[B, k + 1], i32[B] by slot
-            logits, row_tokens = out.logits, out.row_tokens  # f32[R, k + 1, V], i32[R, k + 1]
         if out.penalties is not None:
             self.penalties = out.penalties
         self._ran.add(key)
-        self._recent_logits = {index: (logits, row_tokens, out.prefill_logits, out.prefill_tokens),
+        self._recent_logits = {index: step_logits(out),
                                **{i: v for i, v in self._recent_logits.items() if i == index - 1}}
         return device_tokens, accepted, out.prefill_tokens
 
@@ -823,23 +823,27 @@ class Engine:
             keys += [(*key[:4], True) for key in keys if key[0] in ends]
         return keys
 
-    def warmup(self, penalized: bool = False) -> int:
-        """Compile every program traffic can need (`program_keys`) now; returns how many.
-        With `penalized`, also those of requests with penalties, a logit bias or a grammar.
+    def warmup(self, penalized: bool = False, logprobs: bool = False) -> int:
+        """Compile every program traffic can need (`program_keys`) now; returns how many step
+        programs. With `penalized`, also those of requests with penalties, a logit bias or a
+        grammar; with `logprobs`, the program that computes logprobs for requests that ask
+        (one per shape of a step's logits), else compiled at the first such step.
         `start_warmup` does the same in the background while the engine serves."""
+        self._warm_logprobs |= logprobs
         keys = self.program_keys(penalized)
         for key in keys:
             self._compile(key)
         self._compile_side_programs(penalized)
         return len(keys)
 
-    def start_warmup(self, penalized: bool = False) -> None:
+    def start_warmup(self, penalized: bool = False, logprobs: bool = False) -> None:
         """Compile every program on a background thread, the smallest first (those with
         penalties last), while `step` serves with the programs compiled so far: a step runs
         the smallest compiled context bucket that holds its sequences, and compiles (or waits
         for) one itself only when none does. `ready` says when the smallest bucket's plain
         programs are there."""
         if self._compiler is None:
+            self._warm_logprobs |= logprobs
             self._compile_side_programs(penalized)
             self._compiler = BackgroundCompiler(self._compile, self.program_keys(penalized))
 
@@ -906,14 +910,26 @@ class Engine:
         with self._compiles.attribute():
             try:
                 fn, args = self._program(batch, drafts, kv, draft_kv, self.attention_impl(key), penalties)
-                fn.lower(*args).compile()
+                compiled = fn.lower(*args).compile()
             except Exception as err:  # noqa: BLE001 - only kernel programs fall back; others re-raise
                 if key in self._fallbacks or not kernels_by_default(self.config.attention_impl):
                     raise
                 self._fall_back(key, err)
                 fn, args = self._program(batch, drafts, kv, draft_kv, "reference", penalties)
-                fn.lower(*args).compile()
+                compiled = fn.lower(*args).compile()
         self._compiled.add(key)
+        if self._warm_logprobs:
+            self._compile_logprobs(compiled.out_info[-1])
+
+    def _compile_logprobs(self, out) -> None:
+        """Compile the logprob program (`_logprobs`) for a step's outputs `out` (abstract), once
+        per shape: step programs of different context buckets share their logits' shapes."""
+        logits = _abstract(step_logits(out))
+        shapes = tuple(None if a is None else a.shape for a in logits)
+        if shapes not in self._logprob_shapes:
+            with self._compiles.attribute():
+                step_logprobs.lower(*logits).compile()
+            self._logprob_shapes.add(shapes)
 
     def _fall_back(self, key: ProgramKey, err: Exception) -> None:
         """Program `key`'s kernels failed to compile: run it with the reference from now on,

@@ -298,6 +298,13 @@ def forward(
 
     Returns logits f32[B, T, V] (f32[B, V] with `logits_index`) and the cache holding the
     new K/V with advanced lengths.
+
+    The caller owns the block tables: slot b must have pages for `kv.lengths[b] + num_new[b]`
+    tokens. Inside jit nothing can raise on values, so a token past the pages it was given
+    is not written (`write_indices`) and the logits of later positions are wrong; keep a
+    `PageAllocator` (or count `ceil(length / page_size)` pages) per slot. `kv` is donated,
+    block tables included: keep your own copy of a table as a numpy array, not a jax array
+    that went into `kv`.
     """
     b, t = tokens.shape
     if b > kv.max_slots:

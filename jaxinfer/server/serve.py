@@ -30,7 +30,7 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
     call_parser(tool_call_parser)  # refused before the engine is built
     engine = Engine(model, engine_config)
     if warmup:
-        engine.start_warmup(penalized=True)
+        engine.start_warmup(penalized=True, logprobs=True)
     return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key, tool_call_parser,
                         allowed_origins)
 

@@ -80,6 +80,9 @@ class SpeculativeConfig:
         the shipped checkpoint); `options`: other fields (e.g. disable_by_batch_size)."""
         method, _, arg = text.partition(":")
         if method == "self":
+            if arg and not arg.isdigit():
+                raise ValueError(f"--speculative {text!r}: 'self:N' takes N, the number of the target's first "
+                                 "layers that draft (a positive integer)")
             return cls("self", num_speculative, self_layers=int(arg) if arg else 4, **options)
         if method == "draft":
             return cls("draft", num_speculative, draft=arg or str(DEFAULT_DRAFT_PATH), **options)
