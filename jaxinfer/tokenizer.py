@@ -276,6 +276,8 @@ class Tokenizer:
         With `continue_final_message` the text ends right after the last message's content
         (no end-of-turn), so generation continues it (a prefilled assistant answer), as in
         transformers. Extra keyword arguments (e.g. `tools=...`) become template variables.
+        OpenAI's `developer` role (its new name for `system`) is rendered as `system` unless
+        the template names it (gpt-oss's does: there the two differ).
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set: continue the last "
@@ -292,9 +294,10 @@ class Tokenizer:
         import jinja2
 
         try:
+            as_system = {} if "developer" in self.chat_template else {"developer": "system"}
             text = self._compiled_template.render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **variables
-            )
+                messages=[dict(m) | {"role": as_system.get(m["role"], m["role"])} for m in messages],
+                add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed to render: {e}") from e
         if continue_final_message:  # as transformers cuts it

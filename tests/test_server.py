@@ -116,7 +116,8 @@ def engine_text(model, ids, params) -> str:
 def test_health_and_models(srv, client):
     assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [NAME]
-    assert client.models.retrieve(NAME).id == NAME
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME and time.time() - 3600 < card.created <= time.time()  # a Unix time: when it was loaded
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
     assert httpx.get(f"{srv.url}/version").json() == {"version": jaxinfer.__version__}
@@ -239,6 +240,8 @@ def test_seed_n_stop(client):
 
 BAD = [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, None, "/v1/completions"),
+    ({"content": b'{"prompt": "\xff\xfe"}', "headers": {"content-type": "application/json"}}, None,
+     "/v1/completions"),  # not UTF-8
     ({"content": b'{"prompt": "x"}', "headers": {"content-type": "application/x-www-form-urlencoded"}}, None,
      "/v1/completions"),  # what `curl -d` sends without -H
     ({"json": {"model": NAME, "prompt": "x", "stream_options": {"include_usage": True}}}, "stream_options",
@@ -567,6 +570,7 @@ def test_errors_have_openai_shape_and_disturb_nothing(srv, model):
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
             assert err["param"] == param, (kwargs, err)
+            assert param is not None or "JSON" in err["message"], err
         events = [json.loads(line[6:]) for line in inflight.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == want
     r = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": "still fine", "max_tokens": 2}, timeout=T)
@@ -668,6 +672,26 @@ def test_queue_full_is_429_and_spares_the_admitted(small):
     small.wait_idle()
     assert small.metric("jaxinfer_kv_pages_used") == 0
     assert small.metric('jaxinfer_requests_rejected_total{reason="queue_full"}') == len(refused)
+
+
+
+def test_more_choices_than_the_server_holds_are_a_400(model):
+    """A 429 would be retried forever: no wait makes room for 5 choices on 2 slots + 2 queued."""
+    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, max_slots=2), NAME, max_queue=2, warmup=False))
+    try:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 5}),
+                           ("/v1/completions", {"prompt": "Hi", "n": 5}), ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2})):
+            err = httpx.post(f"{s.url}{path}", json={"model": NAME, "max_tokens": 2} | body, timeout=T)
+            assert err.status_code == 400 and "at most 4 requests" in err.json()["error"]["message"], err.text
+        assert s.metric('jaxinfer_requests_rejected_total{reason="queue_full"}') == 0
+    finally:
+        s.stop()
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=8,
+                                       max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
 def test_disconnect_aborts_and_frees_pages(srv):

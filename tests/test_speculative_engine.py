@@ -73,6 +73,22 @@ def test_greedy_speculation_equals_plain_decoding(model, plain_tokens, source):
     assert eng.scheduler.allocator.num_allocated == 0
 
 
+def test_seeded_ngram_speculation_equals_plain_sampling_token_for_token(model):
+    """n-gram drafts are verified by matching the target's own seeded draw at each position
+    (`verify_step`): sampled requests give plain decoding's tokens, with prefix hits and
+    preemptions moving the verify blocks around (the rejection rule with one key per block
+    gave other, equally distributed, tokens)."""
+    sp = [SamplingParams(temperature=[0.5, 0.3][i % 2], top_p=[1.0, 0.9][i % 3 > 0], top_k=[0, 20][i % 4 == 1],
+                         seed=i, max_tokens=24, ignore_eos=True) for i in range(10)]
+    ps = prompts(8)
+    plain = [o.token_ids for o in engine(model).generate(ps, sp)]
+    eng = engine(model, draft_sources(model)["ngram"], num_pages=TIGHT)
+    assert [o.token_ids for o in eng.generate(ps, sp)] == plain
+    m = eng.metrics()
+    assert m.speculative.accepted.sum() > 0 and m.speculative.accepted.sum() < m.speculative.drafted.sum()
+    assert m.preemptions > 0 and m.prefix_hits > 0
+
+
 def test_speculation_over_an_int8_cache_equals_plain_int8(model):
     """Per-token quantized pages: rejected drafts' K/V is simply overwritten later."""
     ps = prompts(4)

@@ -516,6 +516,17 @@ def test_template_errors_are_value_errors():
     assert tok("{{ messages | tojson }}").apply_chat_template(msgs) == '[{"role": "user", "content": "hi"}]'
 
 
+def test_developer_role_is_system_unless_the_template_names_it():
+    def tok(template):
+        return Tokenizer.from_gguf_metadata(_tiny_gpt2_meta(**{"tokenizer.chat_template": template}))
+
+    roles = "{% for m in messages %}{{ m.role }};{% endfor %}"
+    msgs = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok(roles).apply_chat_template(msgs) == "system;user;"
+    knows = "{% for m in messages %}{{ 'dev' if m.role == 'developer' else m.role }};{% endfor %}"
+    assert tok(knows).apply_chat_template(msgs) == "dev;user;"
+
+
 def test_missing_tokenizer_json(tmp_path: Path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):

@@ -172,7 +172,8 @@ class OpenAIServer:
         if body.max_tokens == 0 and not getattr(body, "echo", False):
             with_echo = " (0 only with echo: the prompt scored, nothing generated)" if isinstance(body, CompletionRequest) else ""
             raise ErrorBody(400, f"max_tokens must be at least 1{with_echo}", param="max_tokens")
-        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None and body.max_tokens is None:
+        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+            # OpenAI's successor of the deprecated max_tokens: it wins when both are sent (as in vLLM)
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         if body.max_tokens == 0:
             return []  # echo only: no choice is generated
@@ -186,6 +187,9 @@ class OpenAIServer:
 
     async def submit(self, prompts: list[list[int]], params, salt: str | None) -> tuple[Sink, list[str]]:
         """Start choice i as `prompts[i]` sampled with `params[i]` (all or none)."""
+        if len(prompts) > self.loop.max_outstanding:  # more than the server ever holds: no retry helps
+            raise ErrorBody(400, f"n={len(prompts)} choices; this server holds at most {self.loop.max_outstanding} "
+                                 "requests (max_slots + max_queue)", param="n")
         sink = Sink(asyncio.get_running_loop())
         try:
             rids = self.loop.submit(prompts, params, salt, sink)
@@ -515,8 +519,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
         return PlainTextResponse(server.loop.stats.render(server.loop.snapshot, server.loop.outstanding),
                                  media_type="text/plain; version=0.0.4")
 
+    created = now()  # the models are loaded by the time the app is made
+
     def card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "jaxinfer", "max_model_len": server.max_model_len}
+        return {"id": name, "object": "model", "created": created, "owned_by": "jaxinfer",
+                "max_model_len": server.max_model_len}
 
     @app.get("/v1/models")
     async def models():
@@ -583,6 +590,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_, e: StarletteHTTPException):
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":  # FastAPI's, e.g. bad UTF-8
+            return _error(400, "the body must be a JSON object in UTF-8: it could not be decoded", code="invalid_json")
         return _error(e.status_code, str(e.detail), err_type="invalid_request_error" if e.status_code < 500 else "server_error")
 
 

@@ -160,7 +160,7 @@ def speculative_step(
     block = verify_block(batch, proposal, num_draft)
     logits, kv = forward_groups(params, config, kv, (block,) + prefill_groups(batch), attention_impl, mesh)
     scored = penalized_logits(logits, batch, block, penalties, kv.lengths, drafts.allowed)
-    num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys)
+    num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys, lengths + 1)
     out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths, scored,
                                     count_kept(penalties, batch, block, num_accepted))
     return dataclasses.replace(kv, block_tables=kept[0], lengths=kept[1]), draft_kv, out

@@ -12,7 +12,9 @@ Each emitted token is then distributed exactly as the target's next-token distri
 given everything before it. `p` and `q` must be the distributions actually sampled from:
 after temperature / top-k / top-p / min-p (`sampling.filter_logits`), so speculation is
 invisible to the user. Greedy targets are one-hot `p`; deterministic (n-gram) drafts are
-one-hot `q`; both are ordinary cases of the same rule.
+one-hot `q`; both are ordinary cases of the same rule, and for one-hot q the rule is "accept
+d while it equals the target's own draw", which `verify_step` uses to emit exactly the tokens
+plain decoding would (see there).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.sampling import SamplingArrays, filter_logits, greedy_tokens
+from jaxinfer.sampling import SamplingArrays, filter_logits, greedy_tokens, sample_tokens
 
 
 class Proposal(NamedTuple):
@@ -38,10 +40,8 @@ class Proposal(NamedTuple):
 
 
 def full_vocab_q(proposal: Proposal, vocab_size: int) -> jax.Array:
-    """The proposal's q over the whole vocabulary: f32[B, k, V]. Built only where some row
-    samples: greedy verification needs nothing but the tokens."""
-    if proposal.q is None:
-        return jax.nn.one_hot(proposal.tokens, vocab_size, dtype=jnp.float32)
+    """The proposal's q (a draft model's) over the whole vocabulary: f32[B, k, V]. Built only
+    where some row samples: greedy verification needs nothing but the tokens."""
     if proposal.q_vocab is None:
         return proposal.q
     b, k, _ = proposal.q.shape
@@ -125,6 +125,7 @@ def verify_step(
     num_draft: jax.Array,  # i32[B]: drafts to consider per row (the rest are padding)
     s: SamplingArrays,  # [B]
     keys: jax.Array,  # key[B]: each row's verification randomness (independent of its drafts')
+    positions: jax.Array,  # i32[B]: the cache position of each row's first emitted token
 ) -> tuple[jax.Array, jax.Array]:
     """`verify_draft` for a batch of slots with per-row draft counts -> (i32[B], i32[B, k + 1]).
 
@@ -132,16 +133,33 @@ def verify_step(
     the residual max(p - 0, 0) is p itself, so a row with no drafts samples plainly from
     p. When every row is greedy, only the argmax of each position is needed and the
     V-sized distributions are never built.
+
+    Deterministic drafts (n-gram: `proposal.q is None`, q one-hot) are verified by matching:
+    position j draws the target's own token with the key a plain step uses there
+    (`sample_tokens` at `positions + j`), and drafts are accepted while they equal those
+    draws. For a one-hot q that is the rule above (d accepted with probability p(d), the
+    correction drawn from p without d), and the output is plain decoding's, token for token,
+    whatever was drafted: a seeded request gives the same text with and without n-gram
+    speculation, and after a preemption that moves its verify blocks.
     """
     draft = proposal.tokens
     b, k = draft.shape
     v = target_logits.shape[-1]
     usable = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[B, k]
 
+    def leading_matches(tokens):  # i32[B, k + 1] -> i32[B]: drafts equal to the tokens, from the first
+        return jnp.argmin(jnp.append(usable & (draft == tokens[:, :k]), jnp.zeros((b, 1), bool), axis=1),
+                          axis=1).astype(jnp.int32)
+
+    if proposal.q is None:
+        where = positions[:, None] + jnp.arange(k + 1, dtype=positions.dtype)  # i32[B, k + 1]
+        tokens = sample_tokens(target_logits.reshape(b * (k + 1), v), _per_position(s, k + 1), where.reshape(-1))
+        tokens = tokens.reshape(b, k + 1)
+        return leading_matches(tokens), tokens
+
     def greedy(_):
         best = greedy_tokens(target_logits)  # i32[B, k + 1]
-        n = jnp.argmin(jnp.append(usable & (draft == best[:, :k]), jnp.zeros((b, 1), bool), axis=1), axis=1)
-        return n.astype(jnp.int32), best
+        return leading_matches(best), best
 
     def sampled(_):
         q = jnp.where(usable[..., None], full_vocab_q(proposal, v), 0.0)

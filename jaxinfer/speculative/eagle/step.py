@@ -179,7 +179,7 @@ def eagle_step(
                                       taps=head.feature_layers)
     hidden = [target_features(head, t, head_config.rms_eps) for t in taps]  # [B, T, D] per group
     scored = penalized_logits(logits, batch, block, penalties, kv.lengths)
-    num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys)
+    num_accepted, tokens = verify_step(scored[0], proposal, num_draft, sampling, verify_keys, lengths + 1)
     out = SpeculativeOutput.by_slot(tokens, num_accepted, batch, logits, kv.lengths, scored,
                                     count_kept(penalties, batch, block, num_accepted))
     prefill_hidden = None
