@@ -13,9 +13,12 @@ restored straight into a dtype and, later, into shardings.
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +104,24 @@ def load_orbax(
 
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            params = checkpointer.restore(path / PARAMS_DIR, target)
+            return config, checkpointer.restore(path / PARAMS_DIR, target)
     except Exception as error:  # orbax/tensorstore raise many types for missing/corrupt data
-        raise CheckpointError(f"{path / PARAMS_DIR}: cannot restore orbax checkpoint (truncated or corrupt?): "
-                              f"{_root_cause(error)}") from error
-    return config, params
+        message = f"{path / PARAMS_DIR}: cannot restore orbax checkpoint (truncated or corrupt?): {_root_cause(error)}"
+    _collect_quietly()  # outside the handler: the error's frames no longer hold orbax's reads
+    raise CheckpointError(message)
+
+
+def _collect_quietly() -> None:
+    """A failed restore leaves orbax's other reads behind as coroutines and futures that,
+    when collected, report their errors again: a thousand lines of TensorStore specs on
+    stderr, at some later moment. Collect them now, saying nothing."""
+    asyncio_log = logging.getLogger("asyncio")
+    hook, level = sys.unraisablehook, asyncio_log.level
+    sys.unraisablehook, asyncio_log.level = (lambda _: None), logging.CRITICAL + 1
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook, asyncio_log.level = hook, level
 
 
 def _root_cause(error: BaseException) -> str:
