@@ -873,6 +873,8 @@ def test_speculative_server_metrics_and_logprobs(srv, model):
     draft = SpeculativeConfig("draft", 3, draft=half)  # is accepted iff the target's argmax has an even id
     s = ServerThread(build_server(model, dataclasses.replace(ENGINE, speculative=draft), NAME, warmup=False))
     try:
+        for gauge in ("jaxinfer_spec_acceptance_rate", "jaxinfer_spec_tokens_per_call"):  # no value before a verify
+            assert re.search(rf"^{gauge} NaN$", httpx.get(f"{s.url}/metrics").text, re.M), gauge
         body = {"model": NAME, "prompt": "one two three", "max_tokens": 12, "temperature": 0,
                 "ignore_eos": True, "logprobs": 2}
         spec = httpx.post(f"{s.url}/v1/completions", json=body, timeout=T).json()["choices"][0]["logprobs"]

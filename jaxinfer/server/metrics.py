@@ -101,9 +101,11 @@ def _speculative_lines(s: SpeculativeStats) -> list[str]:
     return [
         *_scalar("counter", "jaxinfer_spec_draft_tokens_total", "Draft tokens verified by the target.", int(s.drafted.sum())),
         *_scalar("counter", "jaxinfer_spec_accepted_tokens_total", "Draft tokens accepted.", int(s.accepted.sum())),
-        *_scalar("gauge", "jaxinfer_spec_acceptance_rate", "Accepted / verified draft tokens.", s.acceptance_rate),
-        *_scalar("gauge", "jaxinfer_spec_tokens_per_call", "Tokens emitted per target forward of a decoding row.",
-                 s.tokens_per_call),
+        # NaN (no value yet), as the per-position gauges, until something is verified
+        *_scalar("gauge", "jaxinfer_spec_acceptance_rate", "Accepted / verified draft tokens; NaN until one is verified.",
+                 s.acceptance_rate if s.drafted.any() else math.nan),
+        *_scalar("gauge", "jaxinfer_spec_tokens_per_call", "Tokens emitted per target forward of a decoding row; NaN "
+                 "until a row decodes.", s.tokens_per_call if s.target_calls else math.nan),
         f"# HELP {name} P(draft i accepted | verified), i = 0 for the first draft; NaN until one is verified.",
         f"# TYPE {name} gauge",
         *per_position,
@@ -112,11 +114,11 @@ def _speculative_lines(s: SpeculativeStats) -> list[str]:
 
 def _number(value: float) -> str:
     """A sample value as Prometheus writes it (NaN, not Python's nan)."""
-    return "NaN" if math.isnan(value) else repr(value)
+    return "NaN" if math.isnan(value) else str(value)
 
 
 def _scalar(kind: str, name: str, help_text: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
 
 
 def _counter(name: str, help_text: str, label: str, values: dict[str, int]) -> list[str]:
