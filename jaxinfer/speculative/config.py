@@ -124,7 +124,7 @@ class SpeculativeStats:
 
     @property
     def tokens_per_call(self) -> float:
-        """Mean tokens emitted per target forward of a decoding row (1.0 without drafts)."""
+        """Mean tokens emitted per target forward of a decoding row (1.0 without drafts; 0.0 before any)."""
         return self.emitted / max(self.target_calls, 1)
 
     def summary(self) -> dict[str, float | int | list[float]]:
