@@ -9,7 +9,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "deepseek_v3", "gemma2", "gemma3", "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "gemma2", "gemma3", "gpt_oss")
 # Gemma 2/3 layers: RMS norms before and after attention and MLP, GeGLU (tanh GELU), embeddings
 # scaled by sqrt(d_model); Gemma 3 adds RMS norms over each query and key head.
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
@@ -219,8 +219,8 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """RMS norm over each query and key head before RoPE (Gemma 3)."""
-        return self.arch == "gemma3"
+        """RMS norm over each query and key head before RoPE (Gemma 3, Qwen3)."""
+        return self.arch in ("gemma3", "qwen3")
 
     @property
     def embed_scale(self) -> float | None:

@@ -34,6 +34,7 @@ HF_LAYER = {
     "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
     "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",  # Qwen3
 }
 GGUF_GLOBAL = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
 GGUF_LAYER = {
@@ -41,6 +42,7 @@ GGUF_LAYER = {
     "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
     "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",  # Qwen3
 }
 
 
@@ -113,6 +115,8 @@ HF_VARIANTS = {
     "llama-gqa-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "mistral-mqa": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, sliding_window=16)),
     "qwen2-gqa-tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-gqa-tied": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           tie_word_embeddings=True)),
 }
 
 
@@ -386,7 +390,7 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], 
     return path
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
 def test_gguf_recovers_hf_layout(tmp_path, arch, tied):
     config = tiny_config(arch, tie_embeddings=tied)
     weights = flat(init_random_params(config, seed=1, scale=1.0))

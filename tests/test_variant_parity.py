@@ -1,5 +1,6 @@
 """Attention variants against HF transformers (CPU torch, f32): sliding window (Mistral, every
-layer), interleaved local/global layers (Qwen2 `layer_types`), DeepSeek-V3 MLA (dense MLP)."""
+layer), interleaved local/global layers (Qwen2 `layer_types`), QK norms with a head_dim of its
+own and biases on all four projections (Qwen3), DeepSeek-V3 MLA (dense MLP)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ VARIANTS = {
     "mistral-window16": ("Mistral", dict(num_key_value_heads=2, sliding_window=16)),
     "qwen2-interleaved": ("Qwen2", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8, num_hidden_layers=4,
                                         layer_types=["full_attention", "sliding_attention"] * 2)),
+    "qwen3-qk-norm-bias": ("Qwen3", dict(num_key_value_heads=2, head_dim=24, attention_bias=True)),
     "deepseek-v3-mla": ("DeepseekV3", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
                                            qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=3, n_routed_experts=4,
                                            num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16)),
@@ -30,6 +32,7 @@ VARIANTS = {
 EXPECTED = {  # layer_windows the loader must read
     "mistral-window16": (16, 16, 16),
     "qwen2-interleaved": (None, 8, None, 8),
+    "qwen3-qk-norm-bias": (),
     "deepseek-v3-mla": (),
     "deepseek-v3-mla-no-q-lora": (),
 }
@@ -41,6 +44,12 @@ def save_tiny(path, family: str, **changes):
     torch.manual_seed(0)
     config = getattr(transformers, f"{family}Config")(**(BASE | changes))
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():  # norm weights start at 1 and biases at 0: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
     model.save_pretrained(path)
     return model
 

@@ -34,7 +34,7 @@ from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.params import ModelParams, build_params
 
 # general.architecture -> whether q/k rows are in llama.cpp's permuted order.
-_QK_PERMUTED = {"llama": True, "qwen2": False, "gemma2": False, "gemma3": False}
+_QK_PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "gemma2": False, "gemma3": False}
 # Gemma 2/3: every `pattern`-th layer is global, the rest windowed (llama.cpp `set_swa_pattern`;
 # a `{arch}.attention.sliding_window_pattern` key overrides); windowed Gemma 3 layers rotate with
 # base 10000 (llama.cpp `rope_freq_base_train_swa`, key `{arch}.rope.freq_base_swa`).
@@ -89,7 +89,7 @@ def load_gguf(
     """Read config and weights from a GGUF file (a path, or one already read with
     `open_gguf_checked`); weights come back in HF layout, in `dtype`.
 
-    Supports `general.architecture` `llama` (also Mistral files), `qwen2`, `gemma2` and
+    Supports `general.architecture` `llama` (also Mistral files), `qwen2`, `qwen3`, `gemma2` and
     `gemma3` (text; llama.cpp's converter already stored Gemma's norm weights as `1 + w`). Raises
     `CheckpointError` naming the file and the field or tensor for anything it cannot load.
     `weight_cache=True`: read the dequantized weights from the weight cache, or write them

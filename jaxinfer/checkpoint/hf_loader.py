@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -70,6 +71,13 @@ _GEMMA_LAYER_TENSORS = _LAYER_TENSORS | {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+# Qwen3: Llama's layer plus RMS norms over each query and key head (plain `w`, not Gemma's
+# `1 + w`); `attention_bias` adds biases on all four projections
+_QWEN3_LAYER_TENSORS = _LAYER_TENSORS | {
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "bo": "self_attn.o_proj.bias",
+}
 # gpt-oss: biases on every attention projection, learned sinks, a mixture of experts
 _GPT_OSS_LAYER_TENSORS = _LAYER_TENSORS | {
     "bo": "self_attn.o_proj.bias",
@@ -96,7 +104,8 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
     `model.safetensors.index.json`) from an HF model directory; weights come back in `dtype`.
 
     Supports LlamaForCausalLM, MistralForCausalLM (with its `sliding_window`),
-    Qwen2ForCausalLM (with `layer_types` / `use_sliding_window`), DeepseekV3ForCausalLM
+    Qwen2ForCausalLM and Qwen3ForCausalLM (with `layer_types` / `use_sliding_window`; Qwen3's
+    QK norms and optional `attention_bias`), DeepseekV3ForCausalLM
     with dense MLP layers only (`first_k_dense_replace >= num_hidden_layers`), and
     Gemma2ForCausalLM / Gemma3ForCausalLM (text; their `(1 + w)` norm weights are stored
     as `1 + w`, see `ModelConfig`), and GptOssForCausalLM with dequantized weights (attention
@@ -170,6 +179,8 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
     rope, local_theta = _rope_dict(hf, arch, file)
     mla = _mla_config(hf, file) if arch == "deepseek_v3" else None
     gemma, gpt_oss = arch in GEMMA_ARCHITECTURES, arch == "gpt_oss"
+    # biases on q/k/v and o: gpt-oss's and Qwen3's `attention_bias` (defaults True / False)
+    out_bias = (gpt_oss and bool(hf.get("attention_bias", True))) or (arch == "qwen3" and bool(hf.get("attention_bias")))
     with as_checkpoint_error(file):
         return ModelConfig(
             arch=arch,
@@ -185,8 +196,8 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position=int(field("max_position_embeddings")),
             tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
-            attn_bias=arch == "qwen2" or (gpt_oss and bool(hf.get("attention_bias", True))),
-            attn_out_bias=gpt_oss and bool(hf.get("attention_bias", True)),
+            attn_bias=arch == "qwen2" or out_bias,  # Qwen2: q/k/v only, always
+            attn_out_bias=out_bias,
             attn_sinks=gpt_oss,
             moe=_moe_config(hf, file) if gpt_oss else None,
             bos_id=hf.get("bos_token_id"),
@@ -221,12 +232,12 @@ def _optional_float(hf: dict[str, Any], key: str) -> float | None:
 
 
 def _layer_windows(hf: dict[str, Any], arch: str, n_layers: int, file: Path) -> tuple[int | None, ...]:
-    """Per-layer sliding windows: Mistral windows every layer by `sliding_window`; Qwen2 (and
+    """Per-layer sliding windows: Mistral windows every layer by `sliding_window`; Qwen2/3 (and
     any config with `layer_types`) windows the layers typed "sliding_attention"."""
     window = hf.get("sliding_window")
     types = hf.get("layer_types")
-    if arch == "qwen2" and not hf.get("use_sliding_window", False):
-        window = None  # Qwen2 ignores sliding_window unless use_sliding_window (HF Qwen2Config)
+    if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None  # Qwen2/3 ignore sliding_window unless use_sliding_window (HF Qwen2Config, Qwen3Config)
     if types is None and arch in GEMMA_ARCHITECTURES:  # older configs: every `pattern`-th layer is global
         pattern = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
@@ -282,7 +293,7 @@ def _reject_unsupported(hf: dict[str, Any], arch: str, file: Path) -> None:
     elif hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{file}: unsupported config field hidden_act={hf['hidden_act']!r} (need 'silu')")
     for key in ("attention_bias", "mlp_bias"):  # Llama's switches; they also add o_proj/down biases
-        if arch not in ("qwen2", "gpt_oss") and hf.get(key):
+        if not (arch in ("qwen2", "gpt_oss") or (arch, key) == ("qwen3", "attention_bias")) and hf.get(key):
             raise CheckpointError(f"{file}: unsupported config field {key}=true")
     if hf.get("quantization_config") is not None:  # gpt-oss releases: MXFP4 experts
         method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
@@ -389,5 +400,6 @@ def _hf_tensor_name(config: ModelConfig, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     _, layer, field = name.split(".")
-    table = _GEMMA_LAYER_TENSORS if config.is_gemma else _GPT_OSS_LAYER_TENSORS if config.arch == "gpt_oss" else _LAYER_TENSORS
+    table = (_GEMMA_LAYER_TENSORS if config.is_gemma else _GPT_OSS_LAYER_TENSORS if config.arch == "gpt_oss"
+             else _QWEN3_LAYER_TENSORS if config.arch == "qwen3" else _LAYER_TENSORS)
     return f"model.layers.{layer}.{table[field]}"

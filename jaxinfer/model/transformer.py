@@ -98,7 +98,7 @@ def attention_block(
     qs = _split(q.reshape(-1, c.n_heads, c.head_dim), groups)
     ks = _split(k.reshape(-1, c.n_kv_heads, c.head_dim), groups)
     vs = _split(v.reshape(-1, c.n_kv_heads, c.head_dim), groups)
-    if c.qk_norm:  # per head, before RoPE (Gemma 3)
+    if c.qk_norm:  # per head, before RoPE (Gemma 3, Qwen3)
         qs = [rms_norm(q, layer.q_norm, c.rms_eps) for q in qs]
         ks = [rms_norm(k, layer.k_norm, c.rms_eps) for k in ks]
     copies = stored_kv_heads(layer_kv) // c.n_kv_heads
