@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 
@@ -40,3 +41,27 @@ def compile_chat_template(source: str):
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat template has a syntax error (line {e.lineno}): {e.message}") from e
+
+
+def read_chat_template(value: str) -> str:
+    """A template given as vLLM's `--chat-template` takes it: the path of a file holding one
+    (`.jinja`, or a `chat_template.json` / `tokenizer_config.json` with a `chat_template`), or
+    the template itself. Compiled here, so a syntax error stops the command at
+    start rather than the first chat request."""
+    if "{{" in value or "{%" in value:
+        source = value
+    elif Path(value).is_file():
+        source = Path(value).read_text(encoding="utf-8")
+        if Path(value).suffix == ".json":
+            try:
+                source = json.loads(source)["chat_template"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"chat template file {value!r} is JSON without a 'chat_template' string") from None
+            if isinstance(source, list):  # named templates (tokenizer_config.json): the default one
+                source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+            if not isinstance(source, str):
+                raise ValueError(f"chat template file {value!r}: 'chat_template' has no default template string")
+    else:
+        raise ValueError(f"chat template {value!r} is neither a file nor a jinja template")
+    compile_chat_template(source)
+    return source

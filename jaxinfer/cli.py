@@ -44,6 +44,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    "default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weight and activation dtype (float32 is fastest on CPU; bfloat16 on GPU/TPU)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="render chats with this jinja template instead of the model's (a .jinja file, a JSON file "
+                   "with a 'chat_template', or the template itself), as vLLM's flag")
 
 
 def _add_compilation_cache_flag(p: argparse.ArgumentParser) -> None:
@@ -231,14 +234,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(model: str | None, dtype: str, mesh=None):
+def _load(model: str | None, dtype: str, mesh=None, chat_template: str | None = None):
+    """Load `model`; `chat_template` (the `--chat-template` flag's value) replaces its template."""
+    from jaxinfer.chat_template import read_chat_template
     from jaxinfer.loading import load_model
     from jaxinfer.sharding import load_sharded
 
+    template = None if chat_template is None else read_chat_template(chat_template)  # checked before loading
     t0 = time.perf_counter()
     print(f"loading {model or 'the default model'} ...", file=sys.stderr, flush=True)
     loaded = load_model(model, dtype=dtype) if mesh is None else load_sharded(model, mesh, dtype=dtype)
     print(f"loaded {loaded.source} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if template is not None:
+        if loaded.tokenizer is None:
+            raise ValueError("--chat-template needs the model's tokenizer, and this model has none")
+        loaded = dataclasses.replace(loaded, tokenizer=loaded.tokenizer.with_chat_template(template))
     return loaded
 
 
@@ -290,7 +300,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     config = EngineConfig(max_slots=args.max_slots, max_model_len=args.max_model_len, mesh=mesh,  # checked before loading
                           attention_impl=args.attention_impl, speculative=_speculative(args), kv_cache=args.kv_cache,
                           async_scheduling=args.async_scheduling, compilation_cache=not args.no_compilation_cache)
-    model = _load(args.model, args.dtype, mesh)
+    model = _load(args.model, args.dtype, mesh, args.chat_template)
     chat = not args.raw and model.tokenizer is not None and model.tokenizer.chat_template is not None
     if not args.raw and not chat and model.tokenizer is not None:
         print("note: this model has no chat template, so prompts go in as raw text (as with --raw)", file=sys.stderr)
@@ -362,7 +372,7 @@ def cmd_calibrate_kv(args: argparse.Namespace) -> None:
         get_format(args.probe)
     if args.budget_kl is None and args.budget_out_err is None:
         raise ValueError("give --budget-kl and/or --budget-out-err")
-    model = _load(args.model, args.dtype)
+    model = _load(args.model, args.dtype, chat_template=args.chat_template)
     plan, calib = calibrate_plan(model, args.budget_kl, args.budget_out_err, args.tokens, args.seq_len, args.page_size,
                                  formats, None if args.probe == "none" else args.probe, args.margin,
                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -392,7 +402,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           speculative=_speculative(args), async_scheduling=args.async_scheduling,
                           kv_cache=args.kv_cache, compilation_cache=not args.no_compilation_cache,
                           mesh=mesh)  # checked before loading
-    model = _load(args.model, args.dtype, mesh)
+    model = _load(args.model, args.dtype, mesh, args.chat_template)
     config = _fit_context(config, model)
     if spans_processes(mesh) and jax.process_index() != 0:  # process 0 schedules and serves HTTP; here: follow it
         print(f"process {jax.process_index()}: following process 0's engine", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ character and that concatenate to `Tokenizer.decode` of all ids.
 
 from __future__ import annotations
 
+import copy
 import json
 import operator
 import os
@@ -139,6 +140,13 @@ class Tokenizer:
             add_eos = eos_id is not None and empty[-1:] == [eos_id]
         return cls(backend, bos_id=bos_id, eos_ids=eos_ids, chat_template=_read_chat_template(d, config),
                    add_bos=add_bos, add_eos=add_eos)
+
+    def with_chat_template(self, chat_template: str | None) -> Tokenizer:
+        """The same tokenizer rendering chats with `chat_template` (jinja source; None: none),
+        e.g. to give a base model one (`jaxinfer serve --chat-template FILE`)."""
+        other = copy.copy(self)
+        other.chat_template, other._compiled_template = chat_template, None
+        return other
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write `tokenizer.json`, `tokenizer_config.json` (and `chat_template.jinja`,

@@ -4,6 +4,7 @@ saves the interpreter start)."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -76,7 +77,9 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
                         (("--kv-cache", "int3"), "kv_cache='int3'"),
                         (("--kv-cache", str(tmp_path / "plan.json")), "plan.json"),
                         (("--speculative", "eagle", "--speculative-disable-by-batch-size", "2"),
-                         "disable_by_batch_size works with 'ngram' and 'self'")]:
+                         "disable_by_batch_size works with 'ngram' and 'self'"),
+                        (("--chat-template", str(tmp_path / "none.jinja")), "neither a file nor a jinja template"),
+                        (("--chat-template", "{% for m in messages %}"), "chat template has a syntax error")]:
         status, err = run_main(capsys, "generate", *args, "hi")
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
     for args, named in [(("--feature-layers", "2,x"), "comma-separated"), (("--feature-layers", "2,2"), "feature_layers"),
@@ -95,6 +98,23 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
                               ("eagle", ("--layers", "3"), "--layers only apply to --kind draft")]:
         status, err = run_main(capsys, "train-draft", "--kind", kind, "--out", str(tmp_path / "d"), *args)
         assert status == 2 and named in err and "Traceback" not in err, (kind, args, err)
+
+
+def test_chat_template_flag_replaces_the_models_template(smollm2_gguf, tmp_path):
+    """`--chat-template` (vLLM's flag) takes the template itself, a .jinja file or a JSON file
+    with a `chat_template`; chats render with it instead of the model's."""
+    from jaxinfer.cli import _load
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    (tmp_path / "t.jinja").write_text(template)
+    (tmp_path / "t.json").write_text(json.dumps({"chat_template": template}))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    own = _load(str(smollm2_gguf), "float32").tokenizer
+    assert "<|im_start|>" in own.apply_chat_template(chat)
+    assert own.with_chat_template(template).apply_chat_template(chat) != own.apply_chat_template(chat)  # a copy
+    for value in (template, str(tmp_path / "t.jinja"), str(tmp_path / "t.json")):
+        model = _load(str(smollm2_gguf), "float32", chat_template=value)
+        assert model.tokenizer.apply_chat_template(chat) == "[system] Be brief.\n[user] Hi\n[assistant]"
 
 
 @pytest.mark.slow
