@@ -9,11 +9,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3", "gemma2", "gemma3", "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma2", "gemma3",
+                           "gpt_oss")
 # Gemma 2/3 layers: RMS norms before and after attention and MLP, GeGLU (tanh GELU), embeddings
 # scaled by sqrt(d_model); Gemma 3 adds RMS norms over each query and key head.
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+MOE_ACTIVATIONS = ("clamped_swiglu", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +55,23 @@ class YarnRopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """A sparse mixture-of-experts MLP (gpt-oss): each token's `n_experts` router logits pick
-    its `experts_per_token` experts, weighted by a softmax over the chosen logits; each expert
-    is a clamped SwiGLU of width `expert_dim` with biases: `(clip(up, -limit, limit) + 1) *
-    g * sigmoid(alpha * g)`, g = min(gate, limit)."""
+    """A sparse mixture-of-experts MLP: each token's `n_experts` router logits pick its
+    `experts_per_token` experts, weighted by a softmax over the chosen logits (or, with
+    `normalize_weights=False`, their probabilities under a softmax over all experts: Qwen3-MoE's
+    `norm_topk_prob: false`); each expert is a gated MLP of width `expert_dim`.
+
+    `activation`: "clamped_swiglu" (gpt-oss: `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha
+    * g)`, g = min(gate, limit)) or "swiglu" (Mixtral, Qwen3-MoE: `silu(gate) * up`). `bias`:
+    the router and the experts have biases (gpt-oss)."""
 
     n_experts: int
     experts_per_token: int
     expert_dim: int
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    activation: str = "clamped_swiglu"
+    bias: bool = True
+    normalize_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "experts_per_token", "expert_dim"):
@@ -71,6 +80,8 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name}={value!r} must be a positive integer")
         if self.experts_per_token > self.n_experts:
             raise ValueError(f"MoEConfig.experts_per_token={self.experts_per_token} exceeds n_experts={self.n_experts}")
+        if self.activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"MoEConfig.activation={self.activation!r} must be one of {MOE_ACTIVATIONS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +230,8 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """RMS norm over each query and key head before RoPE (Gemma 3, Qwen3)."""
-        return self.arch in ("gemma3", "qwen3")
+        """RMS norm over each query and key head before RoPE (Gemma 3, Qwen3, Qwen3-MoE)."""
+        return self.arch in ("gemma3", "qwen3", "qwen3_moe")
 
     @property
     def embed_scale(self) -> float | None:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import MLAConfig, ModelConfig
+from jaxinfer.config import MLAConfig, ModelConfig, MoEConfig
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.kv import NULL_PAGE, KVCacheSpec, LayerKV, block_table_array, init_paged_kv
 from jaxinfer.kv.footprint import kv_bytes_per_token
@@ -251,10 +251,13 @@ def test_kv_bytes_per_token_by_hand():
         kv_bytes_per_token(windowed)
 
 
-def test_config_with_windows_and_mla_round_trips_through_json():
+def test_config_with_windows_mla_and_experts_round_trips_through_json():
     mla = MLAConfig(kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=6, q_lora_rank=24)
+    moe = MoEConfig(n_experts=4, experts_per_token=2, expert_dim=8, activation="swiglu", bias=False,
+                    normalize_weights=False)
     configs = [tiny_config(layer_windows=(None, 4)),
-               tiny_config(arch="deepseek_v3", n_heads=4, n_kv_heads=4, head_dim=12, mla=mla)]
+               tiny_config(arch="deepseek_v3", n_heads=4, n_kv_heads=4, head_dim=12, mla=mla),
+               tiny_config(arch="qwen3_moe", moe=moe)]
     for config in configs:
         again = ModelConfig.from_json(config.to_json())
         assert again == config and hash(again) == hash(config)
@@ -262,6 +265,8 @@ def test_config_with_windows_and_mla_round_trips_through_json():
         tiny_config(layer_windows=(4,))
     with pytest.raises(ValueError, match="head_dim"):
         tiny_config(arch="deepseek_v3", n_heads=4, n_kv_heads=4, head_dim=8, mla=mla)
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        MoEConfig(n_experts=4, experts_per_token=2, expert_dim=8, activation="gelu")
 
 
 def test_hf_loader_rejects_mixture_of_experts_layers(tmp_path):

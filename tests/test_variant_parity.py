@@ -1,6 +1,8 @@
 """Attention variants against HF transformers (CPU torch, f32): sliding window (Mistral, every
 layer), interleaved local/global layers (Qwen2 `layer_types`), QK norms with a head_dim of its
-own and biases on all four projections (Qwen3), DeepSeek-V3 MLA (dense MLP)."""
+own and biases on all four projections (Qwen3), mixtures of experts (Mixtral; Qwen3-MoE with and
+without renormalised top-k weights), DeepSeek-V3 MLA (dense MLP). Norm weights and biases are
+randomised (HF initialises them to 1 and 0, which would hide a missing or misread one)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.kv import KVCacheSpec, init_paged_kv
 from jaxinfer.loading import load_model
 from jaxinfer.model import forward
@@ -21,6 +24,11 @@ VARIANTS = {
     "qwen2-interleaved": ("Qwen2", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8, num_hidden_layers=4,
                                         layer_types=["full_attention", "sliding_attention"] * 2)),
     "qwen3-qk-norm-bias": ("Qwen3", dict(num_key_value_heads=2, head_dim=24, attention_bias=True)),
+    "mixtral-moe": ("Mixtral", dict(num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2, sliding_window=16)),
+    "qwen3-moe": ("Qwen3Moe", dict(num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                   moe_intermediate_size=40, norm_topk_prob=True)),
+    "qwen3-moe-unnormalized": ("Qwen3Moe", dict(num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=3,
+                                                moe_intermediate_size=40, norm_topk_prob=False)),
     "deepseek-v3-mla": ("DeepseekV3", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
                                            qk_rope_head_dim=4, v_head_dim=6, first_k_dense_replace=3, n_routed_experts=4,
                                            num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16)),
@@ -33,6 +41,9 @@ EXPECTED = {  # layer_windows the loader must read
     "mistral-window16": (16, 16, 16),
     "qwen2-interleaved": (None, 8, None, 8),
     "qwen3-qk-norm-bias": (),
+    "mixtral-moe": (16, 16, 16),
+    "qwen3-moe": (),
+    "qwen3-moe-unnormalized": (),
     "deepseek-v3-mla": (),
     "deepseek-v3-mla-no-q-lora": (),
 }
@@ -97,3 +108,12 @@ def test_variant_logits_and_greedy_match_transformers(tmp_path, variant):
     assert (ours.config.mla is not None) == family.startswith("Deepseek")
     tokens = np.random.default_rng(1).integers(0, 211, (2, 72)).astype(np.int32)  # 72 tokens: 4.5 windows of 16
     assert_matches_transformers(hf, ours, tokens, 12, 32)  # decode: 44 tokens, past 2 windows
+
+
+def test_qwen3_moe_with_dense_layers_is_refused(tmp_path):
+    """Qwen3-MoE's dense layers among the experts (`mlp_only_layers`) are not supported: an
+    error naming the field, not a model that silently reads experts that are not there."""
+    family, changes = VARIANTS["qwen3-moe"]
+    save_tiny(tmp_path, family, **changes, mlp_only_layers=[1])
+    with pytest.raises(CheckpointError, match="mlp_only_layers"):
+        load_model(tmp_path)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,10 @@ from jaxinfer.model.params import ModelParams, build_params
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -78,6 +81,16 @@ _QWEN3_LAYER_TENSORS = _LAYER_TENSORS | {
     "k_norm": "self_attn.k_norm.weight",
     "bo": "self_attn.o_proj.bias",
 }
+# Mixtral and Qwen3-MoE: one [out, in] matrix per expert e (gate, up, down), and the router
+_MOE_LAYER_TENSORS = {
+    "mixtral": _LAYER_TENSORS | {"moe_router": "block_sparse_moe.gate.weight"},
+    "qwen3_moe": _QWEN3_LAYER_TENSORS | {"moe_router": "mlp.gate.weight"},
+}
+_EXPERT_TENSORS = {
+    "mixtral": ("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight",
+                "block_sparse_moe.experts.{}.w2.weight"),
+    "qwen3_moe": ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight", "mlp.experts.{}.down_proj.weight"),
+}
 # gpt-oss: biases on every attention projection, learned sinks, a mixture of experts
 _GPT_OSS_LAYER_TENSORS = _LAYER_TENSORS | {
     "bo": "self_attn.o_proj.bias",
@@ -105,7 +118,8 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
 
     Supports LlamaForCausalLM, MistralForCausalLM (with its `sliding_window`),
     Qwen2ForCausalLM and Qwen3ForCausalLM (with `layer_types` / `use_sliding_window`; Qwen3's
-    QK norms and optional `attention_bias`), DeepseekV3ForCausalLM
+    QK norms and optional `attention_bias`), MixtralForCausalLM and Qwen3MoeForCausalLM (every
+    MLP a mixture of experts), DeepseekV3ForCausalLM
     with dense MLP layers only (`first_k_dense_replace >= num_hidden_layers`), and
     Gemma2ForCausalLM / Gemma3ForCausalLM (text; their `(1 + w)` norm weights are stored
     as `1 + w`, see `ModelConfig`), and GptOssForCausalLM with dequantized weights (attention
@@ -124,8 +138,8 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
         handles: dict[Path, Any] = {}
         read: set[str] = set()
 
-        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-            tensor_name = _hf_tensor_name(config, name)
+        def stored(tensor_name: str, shape: tuple[int, ...]):
+            """One tensor of the checkpoint, its shape checked."""
             if tensor_name not in weight_map:
                 raise CheckpointError(f"{path}: missing tensor {tensor_name!r}")
             read.add(tensor_name)
@@ -136,15 +150,32 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
                 stored_shape = tuple(handles[file].get_slice(tensor_name).get_shape())
                 if stored_shape != shape:
                     raise CheckpointError(f"{file}: tensor {tensor_name!r} has shape {stored_shape}, expected {shape}")
-                tensor = _deinterleave_rope(config, hf, name, handles[file].get_tensor(tensor_name))
-                return np.asarray(tensor).astype(np.float32) + 1 if config.is_gemma and name.endswith("norm") else tensor
+                return handles[file].get_tensor(tensor_name)
             except safetensors.SafetensorError as error:
                 raise CheckpointError(f"{file}: tensor {tensor_name!r}: {error}") from error
+
+        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            if config.arch in _EXPERT_TENSORS and name.endswith(("moe_gate_up", "moe_down")):
+                return _stacked_experts(config, name, stored)
+            tensor = _deinterleave_rope(config, hf, name, stored(_hf_tensor_name(config, name), shape))
+            return np.asarray(tensor).astype(np.float32) + 1 if config.is_gemma and name.endswith("norm") else tensor
 
         with as_checkpoint_error(path):
             params = build_params(config, get, place=place)
     _warn_unused(path, config, set(weight_map) - read)
     return config, params
+
+
+def _stacked_experts(config: ModelConfig, name: str, stored: Callable[[str, tuple[int, ...]], Any]) -> np.ndarray:
+    """`layers.i.moe_gate_up` / `layers.i.moe_down` from Mixtral's or Qwen3-MoE's per-expert
+    [out, in] matrices: [E, d_model, 2I] with gate and up columns alternating / [E, I, d_model]."""
+    prefix = f"model.layers.{name.split('.')[1]}."
+    gate, up, down = (prefix + t for t in _EXPERT_TENSORS[config.arch])
+    e, d, i = config.moe.n_experts, config.d_model, config.moe.expert_dim
+    if name.endswith("moe_down"):
+        return np.stack([np.asarray(stored(down.format(x), (d, i))).T for x in range(e)])
+    return np.stack([np.stack([np.asarray(stored(gate.format(x), (i, d))).T, np.asarray(stored(up.format(x), (i, d))).T],
+                              axis=-1).reshape(d, 2 * i) for x in range(e)])
 
 
 def _warn_unused(path: Path, config: ModelConfig, unused: set[str]) -> None:
@@ -180,7 +211,8 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
     mla = _mla_config(hf, file) if arch == "deepseek_v3" else None
     gemma, gpt_oss = arch in GEMMA_ARCHITECTURES, arch == "gpt_oss"
     # biases on q/k/v and o: gpt-oss's and Qwen3's `attention_bias` (defaults True / False)
-    out_bias = (gpt_oss and bool(hf.get("attention_bias", True))) or (arch == "qwen3" and bool(hf.get("attention_bias")))
+    out_bias = ((gpt_oss and bool(hf.get("attention_bias", True)))
+                or (arch in ("qwen3", "qwen3_moe") and bool(hf.get("attention_bias"))))
     with as_checkpoint_error(file):
         return ModelConfig(
             arch=arch,
@@ -199,7 +231,7 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             attn_bias=arch == "qwen2" or out_bias,  # Qwen2: q/k/v only, always
             attn_out_bias=out_bias,
             attn_sinks=gpt_oss,
-            moe=_moe_config(hf, file) if gpt_oss else None,
+            moe=_moe_config(hf, arch, file) if arch in ("gpt_oss", "mixtral", "qwen3_moe") else None,
             bos_id=hf.get("bos_token_id"),
             eos_ids=_as_ids(hf.get("eos_token_id")),
             layer_windows=_layer_windows(hf, arch, int(field("num_hidden_layers")), file),
@@ -218,11 +250,22 @@ def _required(hf: dict[str, Any], key: str, file: Path) -> Any:
     return hf[key]
 
 
-def _moe_config(hf: dict[str, Any], file: Path) -> MoEConfig:
-    """gpt-oss experts: how many, how many per token, their width and clamped SwiGLU."""
-    n_experts, per_token, width = (int(_required(hf, key, file)) for key in
-                                   ("num_local_experts", "num_experts_per_tok", "intermediate_size"))
+def _moe_config(hf: dict[str, Any], arch: str, file: Path) -> MoEConfig:
+    """The experts: how many, how many per token, their width and activation (gpt-oss: a
+    clamped SwiGLU with biases; Mixtral, Qwen3-MoE: SwiGLU)."""
+    if arch == "qwen3_moe":
+        if int(hf.get("decoder_sparse_step") or 1) != 1 or hf.get("mlp_only_layers"):
+            raise CheckpointError(f"{file}: dense MLP layers among the experts (decoder_sparse_step="
+                                  f"{hf.get('decoder_sparse_step')!r}, mlp_only_layers={hf.get('mlp_only_layers')!r}) "
+                                  "are not supported")
+        keys = ("num_experts" if "num_experts" in hf else "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
+    else:
+        keys = ("num_local_experts", "num_experts_per_tok", "intermediate_size")
+    n_experts, per_token, width = (int(_required(hf, key, file)) for key in keys)
     with as_checkpoint_error(file):
+        if arch != "gpt_oss":
+            return MoEConfig(n_experts=n_experts, experts_per_token=per_token, expert_dim=width, activation="swiglu",
+                             bias=False, normalize_weights=arch == "mixtral" or bool(hf.get("norm_topk_prob", False)))
         return MoEConfig(n_experts=n_experts, experts_per_token=per_token, expert_dim=width,
                          swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
 
@@ -236,13 +279,13 @@ def _layer_windows(hf: dict[str, Any], arch: str, n_layers: int, file: Path) -> 
     any config with `layer_types`) windows the layers typed "sliding_attention"."""
     window = hf.get("sliding_window")
     types = hf.get("layer_types")
-    if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None  # Qwen2/3 ignore sliding_window unless use_sliding_window (HF Qwen2Config, Qwen3Config)
     if types is None and arch in GEMMA_ARCHITECTURES:  # older configs: every `pattern`-th layer is global
         pattern = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     if types is None:
-        return (int(window),) * n_layers if window and arch == "mistral" else ()
+        return (int(window),) * n_layers if window and arch in ("mistral", "mixtral") else ()
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown or len(types) != n_layers:
         raise CheckpointError(f"{file}: unsupported config field layer_types={types!r} "
@@ -293,7 +336,7 @@ def _reject_unsupported(hf: dict[str, Any], arch: str, file: Path) -> None:
     elif hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{file}: unsupported config field hidden_act={hf['hidden_act']!r} (need 'silu')")
     for key in ("attention_bias", "mlp_bias"):  # Llama's switches; they also add o_proj/down biases
-        if not (arch in ("qwen2", "gpt_oss") or (arch, key) == ("qwen3", "attention_bias")) and hf.get(key):
+        if not (arch in ("qwen2", "gpt_oss") or (arch in ("qwen3", "qwen3_moe") and key == "attention_bias")) and hf.get(key):
             raise CheckpointError(f"{file}: unsupported config field {key}=true")
     if hf.get("quantization_config") is not None:  # gpt-oss releases: MXFP4 experts
         method = hf["quantization_config"].get("quant_method") if isinstance(hf["quantization_config"], dict) else None
@@ -401,5 +444,5 @@ def _hf_tensor_name(config: ModelConfig, name: str) -> str:
         return _GLOBAL_TENSORS[name]
     _, layer, field = name.split(".")
     table = (_GEMMA_LAYER_TENSORS if config.is_gemma else _GPT_OSS_LAYER_TENSORS if config.arch == "gpt_oss"
-             else _QWEN3_LAYER_TENSORS if config.arch == "qwen3" else _LAYER_TENSORS)
+             else _QWEN3_LAYER_TENSORS if config.arch == "qwen3" else _MOE_LAYER_TENSORS.get(config.arch, _LAYER_TENSORS))
     return f"model.layers.{layer}.{table[field]}"

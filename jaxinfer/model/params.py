@@ -43,9 +43,10 @@ class LayerParams:
     post_mlp_norm: jax.Array | None = None  # [d_model]: on the MLP output (Gemma 2/3)
     sinks: jax.Array | None = None  # [n_heads]: learned sink logit per query head (gpt-oss)
     bo: jax.Array | None = None  # [d_model]: attention output bias (gpt-oss)
-    # A mixture of experts instead of w_gate/w_up/w_down (gpt-oss, `ModelConfig.moe`): E experts
-    # of width I; expert weights are stored [in, out] as gpt-oss checkpoints hold them, and each
-    # expert's gate and up columns alternate (gate 0, up 0, gate 1, ...).
+    # A mixture of experts instead of w_gate/w_up/w_down (`ModelConfig.moe`): E experts of width
+    # I; expert weights are stored [in, out] as gpt-oss checkpoints hold them, and each expert's
+    # gate and up columns alternate (gate 0, up 0, gate 1, ...); the HF loader brings Mixtral's
+    # and Qwen3-MoE's per-expert [out, in] matrices to this layout. Biases: gpt-oss only.
     moe_router: jax.Array | None = None  # [E, d_model]
     moe_router_bias: jax.Array | None = None  # [E]
     moe_gate_up: jax.Array | None = None  # [E, d_model, 2 * I]
@@ -108,8 +109,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {"w_gate": (c.ffn_dim, c.d_model), "w_up": (c.ffn_dim, c.d_model), "w_down": (c.d_model, c.ffn_dim)}
     else:
         e, i = c.moe.n_experts, c.moe.expert_dim
-        shapes |= {"moe_router": (e, c.d_model), "moe_router_bias": (e,), "moe_gate_up": (e, c.d_model, 2 * i),
-                   "moe_gate_up_bias": (e, 2 * i), "moe_down": (e, i, c.d_model), "moe_down_bias": (e, c.d_model)}
+        shapes |= {"moe_router": (e, c.d_model), "moe_gate_up": (e, c.d_model, 2 * i), "moe_down": (e, i, c.d_model)}
+        if c.moe.bias:
+            shapes |= {"moe_router_bias": (e,), "moe_gate_up_bias": (e, 2 * i), "moe_down_bias": (e, c.d_model)}
     if c.attn_out_bias:
         shapes |= {"bo": (c.d_model,)}
     if c.attn_bias:
