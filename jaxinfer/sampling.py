@@ -67,6 +67,9 @@ class SamplingParams:
     # Sample only what a JSON schema / regex / choice / grammar allows (`jaxinfer.structured_output`)
     structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
+    # vLLM's: the same for every prompt token (the first has none), scored at `add_request` by
+    # one teacher-forced forward of the prompt (`jaxinfer.scoring.score_tokens`)
+    prompt_logprobs: int | None = None
     # False: special tokens (<|im_start|>, <tool_call> where it is one) appear in the text; the
     # EOS or stop token that ends the request never does
     skip_special_tokens: bool = True
@@ -116,8 +119,10 @@ class SamplingParams:
                and all(_is_int(t) and 0 <= t <= INT32_MAX and _is_real(v) and -100 <= v <= 100 for t, v in bias)
                and len({t for t, _ in bias}) == len(bias),
                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100], got {str(self.logit_bias)[:200]}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name}={value!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
         structured = self.structured_outputs
         if isinstance(structured, dict):  # the JSON-shaped form
             structured = StructuredOutputsParams.from_dict(structured)
@@ -272,6 +277,7 @@ class TokenLogprobs:
     logprob: jax.Array  # f32[...]: the emitted token's
     top_ids: jax.Array  # i32[..., MAX_LOGPROBS]: most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[..., MAX_LOGPROBS]: their logprobs, descending
+    rank: jax.Array  # i32[...]: 1 + the tokens more likely than the emitted one (vLLM's rank)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
@@ -284,7 +290,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
-    return TokenLogprobs(logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    rank = 1 + jnp.sum(logp > chosen[..., None], axis=-1, dtype=jnp.int32)
+    return TokenLogprobs(logprob=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs, rank=rank)
 
 
 def row_keys(seed: jax.Array, position: jax.Array) -> jax.Array:

@@ -491,6 +491,32 @@ def test_logprobs_are_log_softmax_of_the_raw_logits(model):
         SamplingParams(logprobs=True)
 
 
+def test_prompt_logprobs_score_the_prompt_as_decoding_scored_it(model):
+    """vLLM's `prompt_logprobs`: prompt token i gets the logprob the model gives it after tokens
+    0..i-1 (the first gets None), so a greedy output fed back as a prompt is scored as decoding
+    scored it (logprobs and alternatives); with output_kind "delta" they come once, first."""
+    eng, prompt = engine(model), LOGPROB_PROMPTS[1]
+    [first] = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3))
+    fed = prompt + first.token_ids
+    [again] = eng.generate([fed], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))
+    assert again.logprobs is None and len(again.prompt_logprobs) == len(again.prompt_top_logprobs) == len(fed)
+    assert again.prompt_logprobs[0] is None and again.prompt_top_logprobs[0] is None
+    np.testing.assert_allclose(again.prompt_logprobs[len(prompt):], first.logprobs, rtol=0, atol=1e-4)
+    for got, want in zip(again.prompt_top_logprobs[len(prompt):], first.top_logprobs):
+        assert [i for i, _ in got] == [i for i, _ in want]
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=0, atol=1e-4)
+
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, output_kind="delta"))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    assert len(outs) > 1 and all(o.prompt_logprobs is None and o.prompt_top_logprobs is None for o in outs[1:])
+    np.testing.assert_allclose(outs[0].prompt_logprobs[1:], again.prompt_logprobs[1 : len(prompt)], rtol=0, atol=1e-5)
+    assert outs[0].prompt_top_logprobs[1:] == [[]] * (len(prompt) - 1)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+
+
 @pytest.mark.parametrize("speculative", [None, SpeculativeConfig("ngram", 3, ngram_max=2, ngram_min=1)])
 def test_the_logprob_program_runs_only_for_steps_that_emit_to_a_request_asking(model, monkeypatch, speculative):
     """Steps return logits, and the logprob program runs apart only when an emitted token's

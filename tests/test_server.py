@@ -952,3 +952,36 @@ def test_completion_echo_with_logprobs_scores_the_prompt(srv, client, model):
     only = client.completions.create(max_tokens=0, **kw)
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+
+
+def test_prompt_logprobs_as_vllm_returns_them(srv, model):
+    """vLLM's `prompt_logprobs` extra: per prompt token (None for the first) a dict keyed by
+    token id holding the token itself (logprob, rank, decoded_token) and its top alternatives;
+    on completions per choice, on chat for the whole prompt; refused with stream: true."""
+    prompt = "The quick brown fox jumps"
+    ids = model.tokenizer.encode(prompt)
+    logits = all_position_logits(model, np.asarray([ids], np.int32))[0]  # f32[n, V]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0, "n": 2, "prompt_logprobs": 2}
+    choices = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=T).json()["choices"]
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    got = choices[0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for i, (token, entry) in enumerate(zip(ids[1:], got[1:])):
+        row = logp[i]
+        order = np.argsort(-row)
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(row[token], abs=1e-4)
+        assert mine["rank"] == 1 + int((row > row[token]).sum()) and mine["decoded_token"] == model.tokenizer.token_text(token)
+        assert list(entry)[0] == str(token) and set(entry) == {str(token), *map(str, order[:2])}
+        assert [entry[str(t)]["rank"] for t in order[:2]] == [1, 2]
+
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    answer = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, timeout=T).json()
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in answer["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in httpx.post(f"{srv.url}/v1/completions", json=body | {"prompt_logprobs": None},
+                                               timeout=T).json()["choices"][0]
+    refused = httpx.post(f"{srv.url}/v1/completions", json=body | {"stream": True}, timeout=T)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

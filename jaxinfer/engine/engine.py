@@ -52,6 +52,7 @@ from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weig
 from jaxinfer.penalties import PenaltyState, init_penalty_state, set_slot, slot_history
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
+from jaxinfer.scoring import score_tokens
 from jaxinfer.speculative.checkpoint import load_trained_draft
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
 from jaxinfer.speculative.drafts import DraftModel, check_draft_compatible, self_draft
@@ -323,6 +324,10 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         req = Request(request_id, ids, params, seed, self.model.config.eos_ids, self.model.tokenizer, cache_salt)
         req.matcher = matcher
+        if params.prompt_logprobs is not None:
+            if self._channel is not None:
+                raise ValueError("prompt_logprobs is not supported yet on a mesh spanning several processes")
+            req.set_prompt_logprobs(score_tokens(self.model, ids))
         self.requests[request_id] = req
         self.scheduler.add(req)
         return request_id

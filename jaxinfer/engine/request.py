@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import time
 
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, TokenLogprobs
 from jaxinfer.speculative.config import SpeculativeStats
 from jaxinfer.structured_output import GrammarMatcher
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
@@ -69,6 +69,10 @@ class RequestOutput:
     # logprob, and its most likely alternatives as (token id, logprob), most likely first.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With SamplingParams.prompt_logprobs set, the same per token of `prompt_token_ids` (None for
+    # the first, which has no context); with output_kind "delta", in the first output only
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None  # with finish_reason "error": why the engine stopped the request
 
 
@@ -95,6 +99,8 @@ class Request:
         wants_logprobs = params.logprobs is not None
         self.logprobs: list[float] | None = [] if wants_logprobs else None  # per generated token
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if wants_logprobs else None
+        self.prompt_logprobs: list[float | None] | None = None  # `set_prompt_logprobs`
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
         self.num_computed = 0
         self.num_in_flight = 0
         self.in_flight_row = -1
@@ -201,6 +207,14 @@ class Request:
             self.text, self.finish_reason, self._stopped_by_string = self.text[:end], "stop", True
             self.stop_reason = stop
 
+    def set_prompt_logprobs(self, scored: TokenLogprobs) -> None:
+        """The prompt's teacher-forced logprobs (`score_tokens`: one per token after the first),
+        with `params.prompt_logprobs` alternatives each."""
+        n = self.params.prompt_logprobs
+        self.prompt_logprobs = [None, *scored.logprob.tolist()]
+        self.prompt_top_logprobs = [None, *(list(zip(ids.tolist(), lps.tolist()))[:n]
+                                            for ids, lps in zip(scored.top_ids, scored.top_logprobs))]
+
     def take_output(self) -> RequestOutput | None:
         """The progress since the last call (text held back while a stop string may match),
         shaped by `params.output_kind`; None for a "final_only" request still running."""
@@ -216,12 +230,16 @@ class Request:
             text, token_ids, since = delta_text, delta_ids, first_token
         else:
             text, token_ids, since = self.text[:end], list(self.generated), 0
+        prompt_lps, prompt_tops = self.prompt_logprobs, self.prompt_top_logprobs
+        if kind == "delta":  # once
+            self.prompt_logprobs = self.prompt_top_logprobs = None
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=token_ids,
             text=text, delta_token_ids=delta_ids, delta_text=delta_text, finished=done,
             finish_reason=self.finish_reason, metrics=self.metrics, stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs[since:],
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[since:],
+            prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_tops,
         )
 
     def error_output(self, message: str) -> RequestOutput:

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxinfer import __version__
 from jaxinfer.scoring import score_tokens
-from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_logprobs, tokens_of
+from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_logprobs, tokens_of, vllm_prompt_logprobs
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
@@ -135,7 +135,7 @@ class OpenAIServer:
         except (ValueError, TypeError) as e:
             raise ErrorBody(400, f"{param}: {e}", param=param) from e
 
-    def prompt_logprobs(self, ids: list[int], top: int) -> dict:
+    def echo_logprobs(self, ids: list[int], top: int) -> dict:
         """The legacy logprobs object of the prompt itself (echo): its first token has none.
         Scored in its own forward, off the engine's thread (`jaxinfer.scoring`)."""
         tok = self._tokenizer("logprobs")
@@ -143,6 +143,14 @@ class OpenAIServer:
         alts = [list(zip(i.tolist(), v.tolist()))[:top] for i, v in zip(lp.top_ids, lp.top_logprobs)]
         obj, _ = completion_logprobs(tok, ids, [None] + lp.logprob.tolist(), [None] + alts)
         return obj
+
+    async def prompt_logprobs(self, body: _Common, ids: list[int]) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` of one prompt, if the body asks (scored off the engine's thread)."""
+        if body.prompt_logprobs is None:
+            return None
+        tok = self._tokenizer("prompt_logprobs")
+        scored = await asyncio.to_thread(score_tokens, self.loop.engine.model, ids)
+        return vllm_prompt_logprobs(tok, ids, scored, body.prompt_logprobs)
 
     def _tokenizer(self, param: str):
         if self.tokenizer is None:
@@ -169,6 +177,8 @@ class OpenAIServer:
             self._tokenizer("logprobs")  # token strings need it
         if body.stream_options is not None and not body.stream:
             raise ErrorBody(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if body.prompt_logprobs is not None and body.stream:  # as vLLM
+            raise ErrorBody(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
         if body.max_tokens == 0 and not getattr(body, "echo", False):
             with_echo = " (0 only with echo: the prompt scored, nothing generated)" if isinstance(body, CompletionRequest) else ""
             raise ErrorBody(400, f"max_tokens must be at least 1{with_echo}", param="max_tokens")
@@ -281,9 +291,10 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
               for text, ids in prompts]
     echo_lps = [None] * len(prompts)
     if body.echo and wants_logprobs:
-        echo_lps = [await asyncio.to_thread(server.prompt_logprobs, ids, body.num_logprobs) for _, ids in prompts]
+        echo_lps = [await asyncio.to_thread(server.echo_logprobs, ids, body.num_logprobs) for _, ids in prompts]
+    prompt_lps = [await server.prompt_logprobs(body, ids) for _, ids in prompts]
     if not params:  # max_tokens 0 with echo: the prompts (and their logprobs), nothing generated
-        return _echo_only(body, model, echoed, echo_lps, prompt_tokens)
+        return _echo_only(body, model, echoed, echo_lps, prompt_lps, prompt_tokens)
     sink, rids = await server.submit([ids for _, ids in prompts for _ in range(n)], params * len(prompts), body.salt)
     rid, created = new_id("cmpl"), now()
 
@@ -323,16 +334,18 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
     finals = await _collect(server, raw, sink, rids)
     choices = [{"index": i, "text": echoed[i // n] + o.text, "finish_reason": o.finish_reason,
                 "stop_reason": o.stop_reason, "logprobs": join_logprobs(echo_lps[i // n], logprobs(o, len(echoed[i // n]), new_only=False)[0])}
+               | ({} if prompt_lps[i // n] is None else {"prompt_logprobs": prompt_lps[i // n]})
                for i, o in finals]
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prompt_tokens, sum(len(o.token_ids) for _, o in finals))}
 
 
 def _echo_only(body: CompletionRequest, model: str, echoed: list[str], echo_lps: list[dict | None],
-               prompt_tokens: int):
+               prompt_lps: list[list | None], prompt_tokens: int):
     """`max_tokens: 0` with `echo`: the prompts scored, nothing generated (how evaluation
     harnesses ask for a text's loglikelihood)."""
     choices = [{"index": i, "text": echoed[i // body.n], "logprobs": echo_lps[i // body.n], "finish_reason": "length"}
+               | ({} if prompt_lps[i // body.n] is None else {"prompt_logprobs": prompt_lps[i // body.n]})
                for i in range(len(echoed) * body.n)]
     d = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model}
     if not body.stream:
@@ -355,6 +368,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     parsed = bool(body.tools) and body.effective_tool_choice == "auto" and server.tool_call_parser is not None
     if parsed:
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    prompt_lps = await server.prompt_logprobs(body, ids)
     sink, rids = await server.submit([ids] * len(params), params, body.salt)
     rid, created = new_id("chatcmpl"), now()
 
@@ -437,7 +451,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         choices.append({"index": i, "message": msg, "logprobs": logprobs(o, new_only=False),
                         "finish_reason": finish(o, (required or parsed) and bool(calls)), "stop_reason": o.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))}
+            "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))} | (
+        {} if prompt_lps is None else {"prompt_logprobs": prompt_lps})
 
 
 async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):

@@ -6,6 +6,9 @@ Completions (legacy)::
      "top_logprobs": [{"Hello": -0.1, "Hi": -2.5}, ...], "text_offset": [0, 5]}
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+
+vLLM's `prompt_logprobs` (both): per prompt token, None for the first, then
+`{"<token id>": {"logprob", "rank", "decoded_token"}}` for the token and its top alternatives.
 A token's text is its bytes decoded on their own: a byte-level piece holding part of a UTF-8
 character shows U+FFFD there, and `bytes` (chat) keeps the raw bytes.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import itertools
 
 from jaxinfer.engine import RequestOutput
+from jaxinfer.sampling import TokenLogprobs
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -57,3 +61,16 @@ def chat_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float], top: li
 def _entry(tok: Tokenizer, token_id: int, logprob: float) -> dict:
     raw = tok.token_bytes(token_id)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def vllm_prompt_logprobs(tok: Tokenizer, ids: list[int], scored: TokenLogprobs, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a prompt from its `score_tokens` (one entry per token after
+    the first): the token itself first, then its `top` most likely alternatives (ranks from 1)."""
+    out: list[dict | None] = [None]
+    for token, lp, rank, alt_ids, alt_lps in zip(ids[1:], scored.logprob.tolist(), scored.rank.tolist(),
+                                                 scored.top_ids[:, :top].tolist(), scored.top_logprobs[:, :top].tolist()):
+        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": tok.token_text(token)}}
+        for r, (alt, value) in enumerate(zip(alt_ids, alt_lps), 1):
+            entry.setdefault(str(alt), {"logprob": value, "rank": r, "decoded_token": tok.token_text(alt)})
+        out.append(entry)
+    return out

@@ -100,6 +100,8 @@ class _Common(Body):
     guided_grammar: str | None = None
     user: str | None = None
     cache_salt: str | None = None  # extra; defaults to `user`: tenants never share prefix pages
+    # extra (vLLM's): each prompt token's logprob, rank and this many alternatives (not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
         """One SamplingParams per choice (choice i of a seeded request uses seed + i)."""
