@@ -22,7 +22,7 @@ import safetensors.numpy
 
 from jaxinfer.checkpoint import CheckpointError, load_checkpoint, load_gguf, load_hf_dir, load_orbax, save_orbax
 from jaxinfer.checkpoint.orbax_io import save_tokenizer
-from jaxinfer.config import Llama3RopeScaling, ModelConfig
+from jaxinfer.config import Llama3RopeScaling, ModelConfig, MoEConfig
 from jaxinfer.model.params import ModelParams, init_random_params
 from jaxinfer.tokenizer import Tokenizer
 
@@ -43,6 +43,7 @@ GGUF_LAYER = {
     "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",  # Qwen3
+    "moe_router": "ffn_gate_inp.weight",  # Mixtral, Qwen3-MoE
 }
 
 
@@ -347,14 +348,17 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], 
                skip: tuple[str, ...] = (), rope_freqs: np.ndarray | None = None,
                qtype: gguf.GGMLQuantizationType | None = None) -> Path:
     """Write `weights` (our names, HF layout) the way llama.cpp's converter would: llama q/k
-    rows permuted, ggml names, f32 (matrices in `qtype` if given). `skip` leaves out metadata
-    fields or tensors by name."""
+    rows permuted, ggml names, experts stacked [E, out, in] per matrix, f32 (matrices in
+    `qtype` if given). `skip` leaves out metadata fields or tensors by name."""
     arch = arch or config.arch
     writer = gguf.GGUFWriter(str(path), arch)
     ints = {"block_count": config.n_layers, "context_length": config.max_position,
             "embedding_length": config.d_model, "feed_forward_length": config.ffn_dim,
             "attention.head_count": config.n_heads, "attention.head_count_kv": config.n_kv_heads,
             "rope.dimension_count": config.head_dim}
+    if config.moe is not None:
+        ints |= {"expert_count": config.moe.n_experts, "expert_used_count": config.moe.experts_per_token,
+                 "expert_feed_forward_length": config.moe.expert_dim}
     for key, value in ints.items():
         if key not in skip:
             writer.add_uint32(f"{arch}.{key}", value)
@@ -368,6 +372,14 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], 
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(2)
     writer.add_chat_template(TINY_TEMPLATE)
+    weights = dict(weights)
+    for name in [n for n in weights if n.endswith(("moe_gate_up", "moe_down"))]:  # ours [E, in, out] -> [E, out, in]
+        block, array = f"blk.{name.split('.')[1]}.", weights.pop(name).transpose(0, 2, 1)
+        if name.endswith("moe_down"):
+            writer.add_tensor(block + "ffn_down_exps.weight", np.ascontiguousarray(array, dtype=np.float32))
+        else:  # gate and up rows alternate in ours
+            writer.add_tensor(block + "ffn_gate_exps.weight", np.ascontiguousarray(array[:, ::2], dtype=np.float32))
+            writer.add_tensor(block + "ffn_up_exps.weight", np.ascontiguousarray(array[:, 1::2], dtype=np.float32))
     for name, array in weights.items():
         field = name.rsplit(".", 1)[-1]
         if arch == "llama" and field in ("wq", "bq"):
@@ -388,6 +400,24 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.mark.parametrize("gguf_arch, arch", [("llama", "mixtral"), ("qwen3moe", "qwen3_moe")])
+def test_gguf_experts_recover_hf_layout(tmp_path, gguf_arch, arch):
+    """Mixtral (a llama file with experts) and Qwen3-MoE: the router and the stacked [E, out, in]
+    expert matrices come back in our layout; the chosen experts' weights are renormalised, as
+    llama.cpp does for both."""
+    moe = MoEConfig(n_experts=4, experts_per_token=2, expert_dim=24, activation="swiglu", bias=False)
+    config = tiny_config(arch, moe=moe, ffn_dim=24 if arch == "mixtral" else 48)
+    weights = flat(init_random_params(config, seed=1, scale=1.0))
+    assert {"layers.0.moe_router", "layers.0.moe_gate_up", "layers.0.moe_down"} <= weights.keys()
+    skip = ("expert_feed_forward_length",) if arch == "mixtral" else ()  # Mixtral's files: feed_forward_length
+    loaded_config, params = load_gguf(write_gguf(tmp_path / "tiny.gguf", config, weights, arch=gguf_arch, skip=skip))
+    assert loaded_config == config
+    loaded = flat(params)
+    assert loaded.keys() == weights.keys()
+    for name in weights:
+        np.testing.assert_array_equal(loaded[name], weights[name], err_msg=name)
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,14 @@ import numpy as np
 from jaxinfer.checkpoint import progress as progress_bar
 from jaxinfer.checkpoint import weight_cache as cache
 from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
-from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, ModelConfig
+from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, ModelConfig, MoEConfig
 from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.params import ModelParams, build_params
 
 # general.architecture -> whether q/k rows are in llama.cpp's permuted order.
-_QK_PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "gemma2": False, "gemma3": False}
+_QK_PERMUTED = {"llama": True, "qwen2": False, "qwen3": False, "qwen3moe": False, "gemma2": False, "gemma3": False}
+# general.architecture -> `ModelConfig.arch`, where they differ (a "llama" file with experts is Mixtral's)
+_ARCH_NAMES = {"qwen3moe": "qwen3_moe"}
 # Gemma 2/3: every `pattern`-th layer is global, the rest windowed (llama.cpp `set_swa_pattern`;
 # a `{arch}.attention.sliding_window_pattern` key overrides); windowed Gemma 3 layers rotate with
 # base 10000 (llama.cpp `rope_freq_base_train_swa`, key `{arch}.rope.freq_base_swa`).
@@ -68,7 +71,10 @@ _LAYER_TENSORS = {  # LayerParams field -> name inside `blk.{i}.`
     "k_norm": "attn_k_norm.weight",
     "post_attn_norm": "post_attention_norm.weight",
     "post_mlp_norm": "post_ffw_norm.weight",
+    "moe_router": "ffn_gate_inp.weight",
 }
+# Experts, stacked [E, out, in] per matrix as llama.cpp's converter writes them: gate, up, down
+_EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 # Bump when the tensors `load_gguf` produces change (names, layout, dequantization): weight
 # caches written by another version are then rebuilt.
 LOADER_VERSION = 1
@@ -89,8 +95,9 @@ def load_gguf(
     """Read config and weights from a GGUF file (a path, or one already read with
     `open_gguf_checked`); weights come back in HF layout, in `dtype`.
 
-    Supports `general.architecture` `llama` (also Mistral files), `qwen2`, `qwen3`, `gemma2` and
-    `gemma3` (text; llama.cpp's converter already stored Gemma's norm weights as `1 + w`). Raises
+    Supports `general.architecture` `llama` (also Mistral and Mixtral files), `qwen2`, `qwen3`,
+    `qwen3moe`, `gemma2` and `gemma3` (text; llama.cpp's converter already stored Gemma's norm
+    weights as `1 + w`). Raises
     `CheckpointError` naming the file and the field or tensor for anything it cannot load.
     `weight_cache=True`: read the dequantized weights from the weight cache, or write them
     there (quantized files only; `$JAXINFER_NO_WEIGHT_CACHE` overrides). `progress`: a bar on
@@ -100,16 +107,22 @@ def load_gguf(
         raise ValueError(f"dtype={dtype!r} must be one of {SUPPORTED_DTYPES}")
     gguf_file = source if isinstance(source, GGUFFile) else open_gguf_checked(Path(source))
     path, tensors = gguf_file.path, gguf_file.tensors
+    gguf_arch = gguf_file.metadata.get("general.architecture")
     config = config_from_gguf(gguf_file.metadata, tensors, path).replace(dtype=dtype)
     np_dtype = np.dtype(config.jnp_dtype)  # cast here, so that the weight cache holds the final arrays
 
-    def dequantized(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        gguf_name = _gguf_tensor_name(name)
+    def read(gguf_name: str, shape: tuple[int, ...]) -> np.ndarray:
         array = _dequantize(tensors, gguf_name, path)
         if array.shape != shape:
             raise CheckpointError(f"{path}: tensor {gguf_name!r} has shape {array.shape}, expected {shape}")
+        return array
+
+    def dequantized(name: str, shape: tuple[int, ...]) -> np.ndarray:
         field = name.rsplit(".", 1)[-1]
-        if _QK_PERMUTED[config.arch] and field in ("wq", "bq", "wk", "bk"):
+        if field in ("moe_gate_up", "moe_down"):
+            return _experts(read, name, config).astype(np_dtype, copy=False)
+        array = read(_gguf_tensor_name(name), shape)
+        if _QK_PERMUTED[gguf_arch] and field in ("wq", "bq", "wk", "bk"):
             array = unpermute_rows(array, config.n_heads if field in ("wq", "bq") else config.n_kv_heads)
         return array.astype(np_dtype, copy=False)
 
@@ -158,8 +171,15 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path:
             raise CheckpointError(f"{path}: per-layer metadata field '{arch}.{key}' is not supported")
         return value
 
+    moe = None
     if field("expert_count", 0):
-        raise CheckpointError(f"{path}: mixture-of-experts ({arch}.expert_count) is not supported")
+        if arch not in ("llama", "qwen3moe") or field("expert_shared_count", 0):
+            raise CheckpointError(f"{path}: mixture-of-experts ({arch}.expert_count) is supported for llama "
+                                  "(Mixtral) and qwen3moe files, without shared experts")
+        with as_checkpoint_error(path):  # llama.cpp renormalises the chosen experts' weights for both
+            moe = MoEConfig(n_experts=int(field("expert_count")), experts_per_token=int(field("expert_used_count")),
+                            expert_dim=int(field("expert_feed_forward_length", field("feed_forward_length"))),
+                            activation="swiglu", bias=False)
     d_model = int(field("embedding_length"))
     n_heads = int(field("attention.head_count"))
     head_dim = int(field("attention.key_length", d_model // n_heads))
@@ -174,20 +194,21 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, GGUFTensor], path:
     gemma = _gemma_fields(meta, arch, n_layers, d_model // n_heads, head_dim, path) if arch in _GEMMA_SWA_PATTERN else {}
     with as_checkpoint_error(path):
         return ModelConfig(
-            arch=arch,
+            arch="mixtral" if arch == "llama" and moe else _ARCH_NAMES.get(arch, arch),
             vocab_size=_vocab_size(meta, tensors, arch, path),
             d_model=d_model,
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(field("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
-            ffn_dim=int(field("feed_forward_length")),
+            ffn_dim=int(field("feed_forward_length", moe.expert_dim if moe else _REQUIRED)),
             rope_theta=rope_theta,
             rope_scaling=_rope_scaling(meta, tensors, arch, rope_theta, head_dim, path),
             rms_eps=_f32(field("attention.layer_norm_rms_epsilon")),
             max_position=int(field("context_length")),
             tie_embeddings="output.weight" not in tensors,
             attn_bias="blk.0.attn_q.bias" in tensors,
+            moe=moe,
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_ids=tuple(dict.fromkeys(meta[k] for k in _EOS_KEYS if meta.get(k) is not None)) + gemma.pop("eot", ()),
             **gemma,
@@ -299,6 +320,17 @@ def _gguf_tensor_name(name: str) -> str:
         return _GLOBAL_TENSORS[name]
     _, layer, field = name.split(".")
     return f"blk.{layer}.{_LAYER_TENSORS[field]}"
+
+
+def _experts(read: Callable[[str, tuple[int, ...]], np.ndarray], name: str, config: ModelConfig) -> np.ndarray:
+    """`layers.i.moe_gate_up` ([E, d_model, 2I], gate and up columns alternating) or
+    `layers.i.moe_down` ([E, I, d_model]) from the file's stacked [E, out, in] experts."""
+    prefix = f"blk.{name.split('.')[1]}."
+    e, d, i = config.moe.n_experts, config.d_model, config.moe.expert_dim
+    gate, up, down = (prefix + t for t in _EXPERT_TENSORS)
+    if name.endswith("moe_down"):
+        return read(down, (e, d, i)).transpose(0, 2, 1)
+    return np.stack([read(gate, (e, i, d)), read(up, (e, i, d))], axis=-1).transpose(0, 2, 1, 3).reshape(e, d, 2 * i)
 
 
 def _n_params(tensors: dict[str, GGUFTensor]) -> int:
