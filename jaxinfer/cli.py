@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "writes in its answer as tool_calls: 'hermes' for <tool_call>{json}</tool_call> (Hermes, "
                           "Qwen 2.5/3, SmolLM3), 'llama3_json' for an answer that is {json} calls (Llama 3.1/3.2); "
                           "without it 'auto' answers in text")
+    srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                     help="return a chat answer's <think>...</think> as message.reasoning_content (Qwen3, "
+                          "DeepSeek-R1; vLLM's flag)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted as vLLM has it; needs --tool-call-parser, which alone turns parsing on")
     srv.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
@@ -411,7 +414,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or [args.model or "default"]
     print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue,
-                          tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins)
+                          tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
+                          reasoning_parser=args.reasoning_parser)
     serve(server, args.host, args.port, grace_s=args.grace_period)
 
 

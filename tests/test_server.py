@@ -423,6 +423,38 @@ def test_tool_calls(srv, client):
         assert err.status_code == 400 and err.json()["error"]["param"] == param, (body, err.text)
 
 
+def test_reasoning_parser_splits_the_thinking_from_the_answer(model, client):
+    """`reasoning_parser="qwen3"` (vLLM's `--reasoning-parser`): a chat answer's <think>...</think>
+    comes back as `reasoning_content` (and `reasoning`), the rest as content, streamed or not;
+    `include_reasoning: false` drops it; a server without a parser keeps the text as it is. The
+    tiny model is made to think by a choice constraint."""
+    s = ServerThread(build_server(model, ENGINE, NAME, warmup=False, reasoning_parser="qwen3"))
+    try:
+        thinker = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=T)
+        answer = "<think>Two and two.\n</think>\n\nFour."
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "2 + 2?"}], max_tokens=24, temperature=0,
+                  extra_body={"structured_outputs": {"choice": [answer]}})
+        msg = thinker.chat.completions.create(**kw).choices[0].message
+        assert (msg.content, msg.reasoning_content, msg.reasoning) == ("\n\nFour.", "Two and two.\n", "Two and two.\n")
+        reasoning = content = ""
+        for c in thinker.chat.completions.create(stream=True, **kw):
+            if c.choices:
+                reasoning += getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                content += c.choices[0].delta.content or ""
+        assert (reasoning, content) == ("Two and two.\n", "\n\nFour.")
+        dropped = httpx.post(f"{s.url}/v1/chat/completions", timeout=T,
+                             json={**{k: v for k, v in kw.items() if k != "extra_body"}, **kw["extra_body"],
+                                   "include_reasoning": False}).json()["choices"][0]["message"]
+        assert dropped["content"] == "\n\nFour." and "reasoning_content" not in dropped
+        plain = thinker.chat.completions.create(**dict(kw, extra_body={"structured_outputs": {"choice": ["No tags."]}}))
+        assert plain.choices[0].message.content == "No tags." and plain.choices[0].message.reasoning_content is None
+        assert client.chat.completions.create(**kw).choices[0].message.content == answer  # no parser: as written
+        with pytest.raises(ValueError, match="reasoning_parser"):
+            build_server(model, ENGINE, NAME, warmup=False, reasoning_parser="granite")
+    finally:
+        s.stop()
+
+
 def test_auto_tool_calls_parsed_from_the_answer(model, client):
     """With `tool_call_parser="hermes"` (or "llama3_json"), tool choice "auto" returns the calls
     the model writes (`<tool_call>{json}</tool_call>`) as `tool_calls`, streamed or not, and the rest as content;

@@ -36,6 +36,7 @@ from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
 from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, to_response
+from jaxinfer.server.reasoning import find_reasoning_parser
 from jaxinfer.server.tools import RequiredCalls, call_parser, parse_calls, tool_call
 
 T = TypeVar("T")
@@ -51,8 +52,10 @@ class OpenAIServer:
     (the first is the one `/v1/models` lists first and responses to requests naming none carry)."""
 
     def __init__(self, loop: EngineLoop, model_name: str | Sequence[str], api_key: str | None = None,
-                 tool_call_parser: str | None = None, allowed_origins: Sequence[str] = ("*",)):
+                 tool_call_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
+                 reasoning_parser: str | None = None):
         self.tool_call_parser = call_parser(tool_call_parser)  # "auto" tool choice: calls read from the text
+        self.reasoning_parser = find_reasoning_parser(reasoning_parser)  # thinking split from the answer
         self.loop = loop
         self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
         if not self.model_names:
@@ -387,6 +390,13 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     choice = body.effective_tool_choice if body.calls_tools else None  # the answer is a constrained call
     required = choice == "required"  # a JSON array of calls, each streamed as it is written
     named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
+    reasoner = server.reasoning_parser if choice is None else None  # free text may think first
+
+    def thought(reasoning: str | None) -> dict:
+        """The message's (or a delta's) reasoning fields, under vLLM's old and new names."""
+        if reasoner is None or not body.include_reasoning or (reasoning is None and body.stream):
+            return {}
+        return {"reasoning_content": reasoning, "reasoning": reasoning}
 
     def finish(out, called: bool) -> str:
         """An answer that ended by itself with calls read from it finishes with them."""
@@ -401,9 +411,15 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             # per choice, what reads calls in its text: "required" calls as they are written
             # (`RequiredCalls`), "auto" with a parser the calls among the content (`TextCalls`)
             readers = [RequiredCalls() if required else server.tool_call_parser() if parsed else None for _ in rids]
+            thinkers = [reasoner.stream() if reasoner else None for _ in rids]
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
-                text, with_logprobs = out.delta_text, bool(body.logprobs and out.delta_token_ids)
+                text, with_logprobs, reasoning = out.delta_text, bool(body.logprobs and out.delta_token_ids), None
+                if thinkers[index] is not None:
+                    reasoning, text = thinkers[index].feed(text)
+                    if out.finished:
+                        rest = thinkers[index].finish()
+                        reasoning, text = reasoning + rest[0], text + rest[1]
                 if required:
                     deltas = readers[index].feed(text)
                     delta = {"tool_calls": deltas} if deltas else {}
@@ -422,6 +438,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                         started[index] = True
                 else:
                     delta = {"content": text} if text or with_logprobs else {}
+                delta = thought(reasoning or None) | delta
                 if delta or with_logprobs:
                     yield _sse(chunk([{"index": index, "delta": delta, "logprobs": logprobs(out), "finish_reason": None}],
                                      running(len(ids), generated)))
@@ -436,11 +453,12 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
     def message(out) -> tuple[dict, list | None]:
+        reasoning, text = reasoner.split(out.text) if reasoner else (None, out.text)
         if parsed:
-            content, calls = server.tool_call_parser.parse(out.text)
-            return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {}), calls
+            content, calls = server.tool_call_parser.parse(text or "")
+            return {"role": "assistant", "content": content} | thought(reasoning) | ({"tool_calls": calls} if calls else {}), calls
         if choice is None:
-            return {"role": "assistant", "content": out.text}, None
+            return {"role": "assistant", "content": text if reasoner is None else text or ""} | thought(reasoning), None
         calls = parse_calls(out.text, choice)  # cut short: as far as written, as streamed
         return {"role": "assistant", "content": None} | ({"tool_calls": calls} if calls else {}), calls
 

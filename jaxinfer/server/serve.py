@@ -10,12 +10,14 @@ from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import Model
 from jaxinfer.server.app import OpenAIServer, create_app
 from jaxinfer.server.loop import EngineLoop
+from jaxinfer.server.reasoning import find_reasoning_parser
 from jaxinfer.server.tools import call_parser
 
 
 def build_server(model: Model, engine_config: EngineConfig, model_name: str | Sequence[str],
                  api_key: str | None = None, max_queue: int = 256, warmup: bool = True,
-                 tool_call_parser: str | None = None, allowed_origins: Sequence[str] = ("*",)) -> OpenAIServer:
+                 tool_call_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
+                 reasoning_parser: str | None = None) -> OpenAIServer:
     """An engine behind an `OpenAIServer`. At most `max_slots + max_queue` requests are
     outstanding; more are answered 429. With `warmup` the engine compiles its programs in the
     background (`Engine.start_warmup`): the server answers at once, `/health` says 503
@@ -24,15 +26,17 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
     with tool choice "auto", the calls the model writes in its answer come back as `tool_calls`.
     The programs of requests with penalties, a logit bias or a grammar (structured output, tool
     calls) compile last. `allowed_origins`: the web pages (CORS origins) whose scripts may call
-    the API, every one by default (vLLM's default)."""
+    the API, every one by default (vLLM's default). `reasoning_parser` ("qwen3", "deepseek_r1"):
+    a chat answer's thinking comes back as `reasoning_content` (`jaxinfer.server.reasoning`)."""
     if max_queue < 0:
         raise ValueError(f"{max_queue=} must be >= 0")
     call_parser(tool_call_parser)  # refused before the engine is built
+    find_reasoning_parser(reasoning_parser)
     engine = Engine(model, engine_config)
     if warmup:
         engine.start_warmup(penalized=True, logprobs=True)
     return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key, tool_call_parser,
-                        allowed_origins)
+                        allowed_origins, reasoning_parser)
 
 
 def serve(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,

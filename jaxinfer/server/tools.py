@@ -238,7 +238,7 @@ class HermesCalls(TextCalls):
         while True:
             start = buffer.find(self.START)
             if start < 0:
-                keep = _partial_suffix(buffer, self.START)
+                keep = partial_suffix(buffer, self.START)
                 content.append(buffer[: len(buffer) - keep])
                 self._pending = buffer[len(buffer) - keep :]
                 break
@@ -330,6 +330,6 @@ def call_parser(name: str | None) -> type[TextCalls] | None:
     return None if name is None else TOOL_CALL_PARSERS[name]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag` (kept back while streaming)."""
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
