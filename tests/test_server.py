@@ -28,7 +28,7 @@ from jaxinfer.speculative import DraftModel
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.server import build_server, create_app
+from jaxinfer.server.serve import DrainingServer, build_server
 from jaxinfer.tokenizer import Tokenizer
 from test_model_parity import all_position_logits
 from tiny_models import tiny_model
@@ -45,16 +45,12 @@ ENGINE = EngineConfig(max_slots=16, page_size=16, prefill_chunk=16, max_prefill_
 class ServerThread:
     """uvicorn serving an `OpenAIServer` in a thread, on a free port of 127.0.0.1."""
 
-    def __init__(self, server):
-        import uvicorn
-
+    def __init__(self, server, grace_s: float = T):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.server = server
-        config = uvicorn.Config(create_app(server), host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=T)
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = DrainingServer(server, "127.0.0.1", self.port, grace_s, log_level="warning")
         self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -771,6 +767,27 @@ def test_graceful_shutdown_finishes_in_flight(model):
     assert not s.thread.is_alive() and not s.server.loop._thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{s.url}/health")
+
+
+def test_requests_left_after_the_grace_period_are_stopped_with_a_503(model):
+    """Shutdown with requests still running when the grace period ends: the engine loop stops
+    them, a plain request gets a 503 `server_shutdown` and a stream ends with that error event
+    (not a connection cut off by uvicorn's cancellation)."""
+    s = ServerThread(build_server(model, ENGINE, NAME, warmup=False), grace_s=0.0)
+    body = {"model": NAME, "prompt": "Long", "max_tokens": 40, "ignore_eos": True}
+    plain = []
+    sender = threading.Thread(target=lambda: plain.append(httpx.post(f"{s.url}/v1/completions", json=body, timeout=T)))
+    sender.start()
+    with httpx.stream("POST", f"{s.url}/v1/completions", json=body | {"stream": True}, timeout=T) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        s.uvicorn.should_exit = True  # what SIGTERM does
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    sender.join(T)
+    assert events[-1]["error"]["code"] == "server_shutdown"
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "server_shutdown"
+    s.thread.join(T)
+    assert not s.thread.is_alive() and not s.server.loop._thread.is_alive()
 
 
 def test_sigterm_drains_and_exits_with_status_zero(model):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 from collections.abc import Sequence
+
+import uvicorn
 
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import Model
@@ -39,20 +42,41 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
                         allowed_origins, reasoning_parser)
 
 
+FLUSH_S = 5.0  # after the grace period: for the stopped requests' 503s and error events to go out
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn serving an `OpenAIServer`, with its graceful shutdown: stop accepting, give the
+    requests in flight `grace_s` seconds to finish, then stop the engine loop, which ends each
+    request left with a 503 `server_shutdown` (or, streamed, an error event), and give those
+    answers `FLUSH_S` to go out before uvicorn cancels what remains."""
+
+    def __init__(self, server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,
+                 log_level: str = "info"):
+        super().__init__(uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
+                                        timeout_graceful_shutdown=grace_s + FLUSH_S))
+        self.app_server, self.grace_s = server, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        grace_over = loop.call_later(self.grace_s, lambda: loop.create_task(asyncio.to_thread(self.app_server.loop.stop)))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            grace_over.cancel()
+
+
 def serve(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,
           log_level: str = "info") -> None:
     """Run until SIGINT/SIGTERM: then stop accepting, give in-flight requests `grace_s`
-    seconds to finish, abort the rest (their pages return to the pool) and return."""
-    import uvicorn
-
-    config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=grace_s)
+    seconds to finish, stop the rest (a 503 or an error event; their pages return to the pool)
+    and return."""
     print(f"serving {', '.join(map(repr, server.model_names))} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: with
     # the default one the process would die with status -15 after a clean shutdown.
     previous = signal.signal(signal.SIGTERM, _exit_after_drain)
     try:
-        uvicorn.Server(config).run()
+        DrainingServer(server, host, port, grace_s, log_level).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
 
