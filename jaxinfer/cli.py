@@ -26,7 +26,7 @@ EXAMPLES = """examples:
   jaxinfer generate --model gemma3-270m "Why is the sky blue?"
   jaxinfer generate --mesh data=2,model=3 "Hello"   # 6 devices: 2-way data x 3-way tensor parallel
   jaxinfer generate --speculative ngram --num-speculative 4 "Repeat: a b c d"   # also self:8, draft, eagle
-  jaxinfer convert model.gguf ./model-orbax     # orbax reloads faster than GGUF
+  jaxinfer convert model.gguf ./model-orbax     # an orbax checkpoint (restores onto a mesh's shardings)
   jaxinfer serve --port 8000 --api-key sk-local    # OpenAI-compatible API on 127.0.0.1
   jaxinfer calibrate-kv --budget-kl 0.01 --out plan.json   # per-layer KV-cache formats within a KL budget
 """
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mesh_flags(gen)
 
     conv = sub.add_parser("convert", help="save any loadable model as an orbax checkpoint directory")
-    conv.add_argument("src", help="a .gguf file or an HF directory")
+    conv.add_argument("src", help="any model `generate --model` takes (a .gguf file, an HF directory, a packaged name)")
     conv.add_argument("dst", help="output directory (must not exist)")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                          formatter_class=_DefaultsHelp)
     _add_model_flags(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
     srv.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
@@ -224,10 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_flag(srv)
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
     srv.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
-    srv.add_argument("--page-size", type=int, default=16)
+    srv.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     srv.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: enough for every slot)")
-    srv.add_argument("--prefill-chunk", type=int, default=64)
-    srv.add_argument("--no-prefix-caching", action="store_true")
+    srv.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a request prefills per step")
+    srv.add_argument("--no-prefix-caching", action="store_true",
+                     help="do not reuse the KV pages of a prompt prefix computed before")
     _add_speculative_flags(srv)
     _add_kv_cache_flag(srv)
     _add_async_flag(srv)

@@ -347,7 +347,8 @@ def _echo_only(body: CompletionRequest, model: str, echoed: list[str], echo_lps:
                prompt_lps: list[list | None], prompt_tokens: int):
     """`max_tokens: 0` with `echo`: the prompts scored, nothing generated (how evaluation
     harnesses ask for a text's loglikelihood)."""
-    choices = [{"index": i, "text": echoed[i // body.n], "logprobs": echo_lps[i // body.n], "finish_reason": "length"}
+    choices = [{"index": i, "text": echoed[i // body.n], "logprobs": echo_lps[i // body.n], "finish_reason": "length",
+                "stop_reason": None}
                | ({} if prompt_lps[i // body.n] is None else {"prompt_logprobs": prompt_lps[i // body.n]})
                for i in range(len(echoed) * body.n)]
     d = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model}

@@ -62,7 +62,8 @@ class ServerMetrics:
         with self.lock:
             lines = _counter("jaxinfer_requests_finished_total", "Requests finished, by finish reason.",
                              "finish_reason", self.finished)
-            lines += _counter("jaxinfer_requests_rejected_total", "Requests refused (queue full, bad input).",
+            lines += _counter("jaxinfer_requests_rejected_total", "Requests the engine loop refused: queue full, or "
+                              "invalid by the engine's checks (requests the HTTP layer answers 400 are not counted).",
                               "reason", self.rejected)
             lines += _scalar("counter", "jaxinfer_prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens)
             lines += _scalar("counter", "jaxinfer_generation_tokens_total", "Generated tokens.", self.generation_tokens)
