@@ -9,17 +9,31 @@ from pathlib import Path
 from typing import Any
 
 
-def validate_messages(messages: Any) -> None:
+def text_messages(messages: Any) -> list[dict[str, Any]]:
+    """`messages` checked, each as a dict whose `content` is a str: OpenAI's content parts
+    (`[{"type": "text", "text": ...}, ...]`) are joined, as the server joins them; an assistant
+    message that only calls tools may have none (`content: None`, as transformers takes it)."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if not messages:
         raise ValueError("messages must not be empty")
+    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise ValueError(f"messages[{i}][{key!r}] must be a str, got {type(m.get(key)).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]['role'] must be a str, got {type(m.get('role')).__name__}")
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            for j, part in enumerate(content):
+                if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise ValueError(f"messages[{i}]['content'][{j}] is of type {kind!r}: this model reads text parts only")
+            content = "".join(part["text"] for part in content)
+        elif not (isinstance(content, str) or (content is None and m.get("tool_calls"))):
+            raise ValueError(f"messages[{i}]['content'] must be a str or a list of text parts, got {type(content).__name__}")
+        out.append(dict(m) | {"content": content})
+    return out
 
 
 def compile_chat_template(source: str):

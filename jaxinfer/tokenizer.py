@@ -32,7 +32,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders
 
-from jaxinfer.chat_template import compile_chat_template, validate_messages
+from jaxinfer.chat_template import compile_chat_template, text_messages
 from jaxinfer.gguf_file import GGUFFile, read_gguf
 from jaxinfer.gguf_tokenizer import SPM_SPACE, UNICODE_TO_BYTE, backend_from_gguf, bos_eos_processor
 
@@ -277,8 +277,8 @@ class Tokenizer:
     ) -> str:
         """Render `messages` with the model's chat template (to be passed to `encode`).
 
-        `messages` is a list of dicts with str `role` and str `content` (other keys are passed
-        through). Rendering matches transformers' `apply_chat_template(..., tokenize=False)`:
+        `messages` is a list of dicts with str `role` and str `content` (or OpenAI's text parts,
+        joined; other keys are passed through). Rendering matches transformers' `apply_chat_template(..., tokenize=False)`:
         a sandboxed jinja2 environment with `trim_blocks`/`lstrip_blocks`, the globals
         `raise_exception` and `strftime_now`, a `tojson` filter, and `bos_token`/`eos_token`.
         With `continue_final_message` the text ends right after the last message's content
@@ -295,7 +295,7 @@ class Tokenizer:
                 "this model has no chat template; encode a plain prompt instead, or use a model "
                 "whose GGUF metadata / tokenizer_config.json has a chat_template"
             )
-        validate_messages(messages)
+        messages = text_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self.chat_template)
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
@@ -306,7 +306,7 @@ class Tokenizer:
             text = self._compiled_template.render(
                 messages=[dict(m) | {"role": as_system.get(m["role"], m["role"])} for m in messages],
                 add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. a template adding None content to text
             raise ValueError(f"chat template failed to render: {e}") from e
         if continue_final_message:  # as transformers cuts it
             final = messages[-1]["content"]

@@ -13,6 +13,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from jaxinfer.chat_template import text_messages
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
 # Text that stresses pre-tokenization and byte-level BPE.
@@ -494,12 +495,25 @@ def test_missing_chat_template():
         ([("user", "hi")], r"messages\[0\] must be a dict"),
         ([{"role": "user"}], r"messages\[0\]\['content'\] must be a str"),
         ([{"role": "user", "content": "a"}, {"role": 1, "content": "b"}], r"messages\[1\]\['role'\]"),
-        ([{"role": "user", "content": ["a", "b"]}], r"\['content'\] must be a str, got list"),
+        ([{"role": "user", "content": ["a", "b"]}], r"\['content'\]\[0\] is of type 'str': this model reads text parts only"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "'image_url'"),
+        ([{"role": "user", "content": 3}], r"must be a str or a list of text parts, got int"),
     ],
 )
 def test_bad_messages(tiny: Tokenizer, messages, match):
     with pytest.raises(ValueError, match=match):
         tiny.apply_chat_template(messages)
+
+
+def test_openai_content_parts_render_as_their_joined_text(tiny: Tokenizer):
+    """OpenAI's `[{"type": "text", "text": ...}]` content renders as the text joined (as the
+    server's chat endpoint does); an assistant turn of tool calls alone may have no content."""
+    plain = tiny.apply_chat_template([{"role": "user", "content": "hello there"}])
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": " there"}]
+    assert tiny.apply_chat_template([{"role": "user", "content": parts}]) == plain
+    calls = [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    turns = text_messages([{"role": "user", "content": parts}, {"role": "assistant", "content": None, "tool_calls": calls}])
+    assert [t["content"] for t in turns] == ["hello there", None] and turns[1]["tool_calls"] == calls
 
 
 def test_template_errors_are_value_errors():
