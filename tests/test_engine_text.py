@@ -110,6 +110,27 @@ def test_conversations_are_prompts(eng, model):
     assert not eng.requests
 
 
+def test_chat_renders_each_conversation_with_the_templates_options(model):
+    """`Engine.chat` (vLLM's `LLM.chat`): one conversation or a list; `chat_template_kwargs`
+    reach the template (Qwen3's `enable_thinking`), `continue_final_message` continues the last
+    turn; answers equal `generate` on the rendered ids."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "{% if not (loop.last and continue_final_message) %}<|im_end|>\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    tok = model.tokenizer.with_chat_template(template)
+    eng = Engine(dataclasses.replace(model, tokenizer=tok), EngineConfig(max_slots=3, page_size=8, max_model_len=128))
+    hi, bye = [{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]
+    [one] = eng.chat(hi, GREEDY)
+    two = eng.chat([hi, bye], GREEDY, chat_template_kwargs={"enable_thinking": False})
+    assert one.prompt_token_ids == tok.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                                              add_special_tokens=False)
+    assert tok.decode(two[0].prompt_token_ids, skip_special_tokens=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    assert two[1].token_ids == eng.generate([two[1].prompt_token_ids], GREEDY)[0].token_ids
+    [cont] = eng.chat(hi + [{"role": "assistant", "content": "Hello"}], GREEDY, continue_final_message=True)
+    assert tok.decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("<|im_start|>assistant\nHello")
+
+
 def test_generate_rejects_a_bad_batch_without_leaving_requests_behind(eng):
     with pytest.raises(ValueError, match="empty"):
         eng.generate([PROMPTS[0], ""], GREEDY)

@@ -1066,6 +1066,24 @@ class Engine:
         bar.close()
         return [final[i] for i in ids]
 
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Sequence[Mapping[str, Any]] | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: a conversation (or a list of them) rendered with the chat template
+        and run to completion; one output per conversation. `chat_template_kwargs` are the
+        template's own variables (Qwen3's `enable_thinking`), `tools` the functions it shows."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError("chat needs the model's tokenizer, and this model has none")
+        options = dict(chat_template_kwargs or {}) | ({} if tools is None else {"tools": list(tools)})
+        ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                                  continue_final_message=continue_final_message, **options),
+                          add_special_tokens=False) for c in conversations]
+        return self.generate(ids, params)
+
     def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
                chat: bool = False, cache_salt: str | None = None) -> Iterator[str]:
         """Yield one request's text as it is produced (other requests advance too)."""
