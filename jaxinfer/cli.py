@@ -215,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "writes in its answer as tool_calls: 'hermes' for <tool_call>{json}</tool_call> (Hermes, "
                           "Qwen 2.5/3, SmolLM3), 'llama3_json' for an answer that is {json} calls (Llama 3.1/3.2); "
                           "without it 'auto' answers in text")
+    srv.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                     help="defaults of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
+                          "repetition_penalty, max_tokens): 'auto' the model's generation_config.json, 'vllm' "
+                          "the API's own, or a directory's generation_config.json (vLLM's flag)")
     srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                      help="return a chat answer's <think>...</think> as message.reasoning_content (Qwen3, "
                           "DeepSeek-R1; vLLM's flag)")
@@ -361,8 +365,11 @@ def cmd_convert(args: argparse.Namespace) -> None:
     dst = Path(args.dst)
     if dst.exists():
         raise ValueError(f"destination {dst} already exists")
+    from jaxinfer.loading import write_sampling_defaults
+
     model = _load(args.src, args.dtype)
     save_orbax(model.config, model.params, dst, tokenizer=model.tokenizer)
+    write_sampling_defaults(dst, model.generation_config)  # they travel with the checkpoint
     print(f"wrote {dst}", file=sys.stderr)
 
 
@@ -416,7 +423,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
     server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue,
                           tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser, generation_config=args.generation_config)
     serve(server, args.host, args.port, grace_s=args.grace_period)
 
 

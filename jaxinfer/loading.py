@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Any
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.model.params import ModelParams
@@ -19,6 +21,9 @@ class Model:
     params: ModelParams
     tokenizer: Tokenizer | None
     source: str = ""
+    # the sampling defaults the checkpoint's `generation_config.json` recommends (`temperature`,
+    # `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_tokens`), as vLLM reads them
+    generation_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
 def load_model(
@@ -63,7 +68,34 @@ def load_model(
         params = with_layer_runs(params, layer_runs(config))
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)
-    return Model(config=config, params=params, tokenizer=tokenizer, source=str(path))
+    defaults = sampling_defaults(path) if path.is_dir() else {}
+    return Model(config=config, params=params, tokenizer=tokenizer, source=str(path), generation_config=defaults)
+
+
+# generation_config.json key -> SamplingParams field (vLLM's list)
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(directory: str | Path) -> dict[str, Any]:
+    """The sampling fields a checkpoint directory's `generation_config.json` sets (vLLM's
+    `--generation-config auto` reads these as the defaults of requests that leave them out)."""
+    file = Path(directory) / "generation_config.json"
+    try:
+        config = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return {field: config[key] for key, field in _SAMPLING_KEYS.items() if config.get(key) is not None}
+
+
+def write_sampling_defaults(directory: str | Path, defaults: dict[str, Any]) -> None:
+    """Add `defaults` (as `sampling_defaults` reads them) to a directory's generation_config.json."""
+    if not defaults:
+        return
+    file = Path(directory) / "generation_config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    config |= {key: defaults[field] for key, field in _SAMPLING_KEYS.items() if field in defaults}
+    file.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def tokenizer_of_dir(path: Path) -> Tokenizer | None:

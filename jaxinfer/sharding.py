@@ -254,7 +254,8 @@ def load_sharded(path: str | os.PathLike | None, mesh: Mesh, dtype: str = "float
     tokenizer = loading.tokenizer_of_dir(Path(path))
     if tokenizer is not None and not config.eos_ids and tokenizer.eos_ids:
         config = config.replace(eos_ids=tokenizer.eos_ids)
-    return loading.Model(config=config, params=params, tokenizer=tokenizer, source=str(path))
+    return loading.Model(config=config, params=params, tokenizer=tokenizer, source=str(path),
+                         generation_config=loading.sampling_defaults(path))
 
 
 # ---- the engine's step on a mesh ------------------------------------------------------------

@@ -195,6 +195,29 @@ def test_hf_eos_list_and_generation_config_eos(llama_dir, tmp_path):
     assert config.eos_ids == (2, 5, 7)
 
 
+def test_generation_config_sampling_defaults_are_read_and_travel(llama_dir, tmp_path):
+    """The sampling fields of generation_config.json (vLLM reads them as request defaults) come
+    with the model (`Model.generation_config`, `Engine.default_sampling_params`) and are written
+    back where a conversion writes the tokenizer's generation config."""
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.loading import load_model, sampling_defaults, write_sampling_defaults
+
+    directory = copy_of(llama_dir, tmp_path)
+    gen = json.loads((directory / "generation_config.json").read_text())
+    recommended = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 100, "do_sample": True}
+    (directory / "generation_config.json").write_text(json.dumps(gen | recommended))
+    model = load_model(directory, progress=False)
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 100}
+    assert model.generation_config == want
+    params = Engine(model, EngineConfig(max_slots=1, max_model_len=64)).default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.min_p) == (0.6, 0.95, 20, 100, 0.0)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))
+    write_sampling_defaults(other, model.generation_config)
+    assert sampling_defaults(other) == want and json.loads((other / "generation_config.json").read_text())["eos_token_id"] == [2]
+
+
 def test_hf_sharded_checkpoint(tmp_path):
     state = save_hf_model(tmp_path, "LlamaConfig", num_attention_heads=4, num_key_value_heads=2,
                           tie_word_embeddings=False, max_shard_size="20KB")

@@ -419,6 +419,35 @@ def test_tool_calls(srv, client):
         assert err.status_code == 400 and err.json()["error"]["param"] == param, (body, err.text)
 
 
+def test_the_models_generation_config_sets_the_defaults_of_fields_left_out(model, tmp_path):
+    """vLLM's `--generation-config`: "auto" (the default) fills the fields a request leaves out
+    from the model's generation_config.json (here greedy, at most 5 tokens); what the request
+    sends wins; "vllm" keeps the API's own defaults (temperature 1, 16 tokens); a directory
+    brings its own; anything else is refused by name."""
+    recommended = dataclasses.replace(model, generation_config={"temperature": 0.0, "top_k": 40, "max_tokens": 5})
+    ids = model.tokenizer.encode("Once upon a time")
+    greedy = Engine(model, ENGINE).generate([ids], SamplingParams(temperature=0, max_tokens=5))[0].text
+    body = {"model": NAME, "prompt": ids, "ignore_eos": True}
+    s = ServerThread(build_server(recommended, ENGINE, NAME, warmup=False))
+    try:
+        auto = httpx.post(f"{s.url}/v1/completions", json=body, timeout=T).json()
+        assert auto["choices"][0]["text"] == greedy and auto["usage"]["completion_tokens"] == 5
+        sent = httpx.post(f"{s.url}/v1/completions", json=body | {"max_tokens": 7, "temperature": 1.0, "seed": 3},
+                          timeout=T).json()
+        assert sent["usage"]["completion_tokens"] == 7
+    finally:
+        s.stop()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "do_sample": True}))
+    for config, tokens in (("vllm", 16), (str(tmp_path), 3)):
+        s = ServerThread(build_server(recommended, ENGINE, NAME, warmup=False, generation_config=config))
+        try:
+            assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=T).json()["usage"]["completion_tokens"] == tokens
+        finally:
+            s.stop()
+    with pytest.raises(ValueError, match="generation_config='nowhere' must be 'auto', 'vllm' or a directory"):
+        build_server(model, ENGINE, NAME, warmup=False, generation_config="nowhere")
+
+
 def test_reasoning_parser_splits_the_thinking_from_the_answer(model, client):
     """`reasoning_parser="qwen3"` (vLLM's `--reasoning-parser`): a chat answer's <think>...</think>
     comes back as `reasoning_content` (and `reasoning`), the rest as content, streamed or not;
@@ -774,10 +803,14 @@ def test_requests_left_after_the_grace_period_are_stopped_with_a_503(model):
     them, a plain request gets a 503 `server_shutdown` and a stream ends with that error event
     (not a connection cut off by uvicorn's cancellation)."""
     s = ServerThread(build_server(model, ENGINE, NAME, warmup=False), grace_s=0.0)
-    body = {"model": NAME, "prompt": "Long", "max_tokens": 40, "ignore_eos": True}
+    body = {"model": NAME, "prompt": "Long", "max_tokens": 60, "ignore_eos": True}
     plain = []
     sender = threading.Thread(target=lambda: plain.append(httpx.post(f"{s.url}/v1/completions", json=body, timeout=T)))
     sender.start()
+    deadline = time.monotonic() + T
+    while s.server.loop.outstanding < 1:  # the plain request is in the engine: 60 steps to go
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     with httpx.stream("POST", f"{s.url}/v1/completions", json=body | {"stream": True}, timeout=T) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: {"))

@@ -281,14 +281,17 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def add_request(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, chat: bool = False) -> str:
         """Validate and queue a request; returns its id. Raises ValueError naming the problem.
         `prompt`: a text (with `chat`, the user's turn of a chat), token ids, or a conversation
-        (`[{"role": ..., "content": ...}, ...]`, rendered with the chat template)."""
+        (`[{"role": ..., "content": ...}, ...]`, rendered with the chat template). `params`
+        None: `default_sampling_params()` (the model's generation config, as in vLLM)."""
         if self.is_follower:
             raise RuntimeError(f"process {jax.process_index()} follows process 0's schedule: requests go to "
                                "process 0's engine; call Engine.follow() here")
+        if params is None:  # as vLLM: the model's generation config over SamplingParams' defaults
+            params = self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if request_id is None:
@@ -1033,7 +1036,7 @@ class Engine:
     # ---- conveniences -----------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = False, progress: bool = False) -> list[RequestOutput]:
         """Run prompts to completion (alongside anything already queued); outputs in input order.
         One prompt (a text, token ids, a conversation) may be given alone: a list of one output."""
@@ -1041,6 +1044,7 @@ class Engine:
             prompts = [prompts]
         if isinstance(prompts, np.ndarray) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a prompt (a text, token ids, a conversation) or a non-empty list of them")
+        params = self.default_sampling_params() if params is None else params
         per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
@@ -1066,8 +1070,13 @@ class Engine:
         bar.close()
         return [final[i] for i in ids]
 
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's `get_default_sampling_params`: `SamplingParams` with the sampling defaults of
+        the model's `generation_config.json` (`Model.generation_config`), the rest as usual."""
+        return SamplingParams(**self.model.generation_config)
+
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-             params: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Sequence[Mapping[str, Any]] | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
@@ -1084,7 +1093,7 @@ class Engine:
                           add_special_tokens=False) for c in conversations]
         return self.generate(ids, params)
 
-    def stream(self, prompt: Prompt, params: SamplingParams = SamplingParams(),
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool = False, cache_salt: str | None = None) -> Iterator[str]:
         """Yield one request's text as it is produced (other requests advance too)."""
         rid = self.add_request(prompt, params, chat=chat, cache_salt=cache_salt)

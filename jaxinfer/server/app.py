@@ -20,6 +20,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxinfer import __version__
+from jaxinfer.loading import sampling_defaults
 from jaxinfer.scoring import score_tokens
 from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_logprobs, tokens_of, vllm_prompt_logprobs
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
@@ -53,7 +55,7 @@ class OpenAIServer:
 
     def __init__(self, loop: EngineLoop, model_name: str | Sequence[str], api_key: str | None = None,
                  tool_call_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, generation_config: str = "auto"):
         self.tool_call_parser = call_parser(tool_call_parser)  # "auto" tool choice: calls read from the text
         self.reasoning_parser = find_reasoning_parser(reasoning_parser)  # thinking split from the answer
         self.loop = loop
@@ -64,6 +66,11 @@ class OpenAIServer:
         self.allowed_origins = list(allowed_origins)  # CORS: the web pages whose scripts may call the API
         self.tokenizer = loop.engine.model.tokenizer
         self.max_model_len = loop.engine.max_model_len
+        # the defaults of what requests leave out (vLLM's --generation-config): "auto" the model's
+        # generation_config.json, "vllm" none (the API's own), or a directory holding one
+        check_generation_config(generation_config)
+        self.sampling_defaults = (loop.engine.model.generation_config if generation_config == "auto" else
+                                  {} if generation_config == "vllm" else sampling_defaults(generation_config))
 
     # ---- validation and tokenization ----------------------------------------------------------
 
@@ -192,7 +199,8 @@ class OpenAIServer:
             return []  # echo only: no choice is generated
         try:
             # the default (completions: 16, OpenAI's) never asks for more than the context has left
-            return body.sampling_params(min(default_max_tokens or self.max_model_len, self.max_model_len - len(ids)))
+            return body.sampling_params(min(default_max_tokens or self.max_model_len, self.max_model_len - len(ids)),
+                                        self.sampling_defaults)
         except ValueError as e:
             raise ErrorBody(400, str(e), param=_field_of(str(e))) from e
 
@@ -269,6 +277,13 @@ def internal_error(error: Exception, request_id: str) -> ErrorBody:
     logger.error("request %s failed: %s: %s", request_id, type(error).__name__, error, exc_info=error)
     return ErrorBody(500, f"internal server error (request id {request_id}; the server logged it)",
                      code="internal_error", err_type="server_error")
+
+
+def check_generation_config(value: str) -> None:
+    """`generation_config` is "auto", "vllm" or a directory (vLLM's `--generation-config`)."""
+    if value not in ("auto", "vllm") and not Path(value).is_dir():
+        raise ValueError(f"generation_config={value!r} must be 'auto', 'vllm' or a directory holding a "
+                         "generation_config.json")
 
 
 def _field_of(message: str) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -103,17 +104,22 @@ class _Common(Body):
     # extra (vLLM's): each prompt token's logprob, rank and this many alternatives (not streamed)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def sampling_params(self, default_max_tokens: int) -> list[SamplingParams]:
-        """One SamplingParams per choice (choice i of a seeded request uses seed + i)."""
+    def sampling_params(self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> list[SamplingParams]:
+        """One SamplingParams per choice (choice i of a seeded request uses seed + i). `defaults`
+        (the model's generation config: `temperature`, `top_p`, ... `max_tokens`) replace the
+        API's own defaults for the fields the request leaves out, as in vLLM."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        base = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=tuple(stop),
+        unset = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, unset.get("max_tokens", default_max_tokens))
+        picked = {k: unset.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        base = dict(picked, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=tuple(stop),
                     include_stop_str_in_output=self.include_stop_str_in_output,
                     stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                     skip_special_tokens=self.skip_special_tokens,
                     logprobs=self.num_logprobs, frequency_penalty=self.frequency_penalty,
-                    presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                    presence_penalty=self.presence_penalty,
                     logit_bias=self._logit_bias(), structured_outputs=self.structured(),
                     output_kind="delta" if self.stream else "cumulative")  # a stream sends only what is new
         seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**32 for i in range(self.n)]

@@ -57,8 +57,9 @@ class ResponsesRequest(Body):
         if self.previous_response_id is not None:
             raise ErrorBody(400, "previous_response_id: this server stores no responses; send the whole "
                                  "conversation in input", param="previous_response_id")
-        chat: dict[str, Any] = {"messages": self._messages(), "stream": self.stream, "temperature": self.temperature,
-                                "top_p": self.top_p, "stream_options": {"include_usage": True} if self.stream else None}
+        chat: dict[str, Any] = {"messages": self._messages(), "stream": self.stream,
+                                "stream_options": {"include_usage": True} if self.stream else None}
+        chat |= {name: getattr(self, name) for name in ("temperature", "top_p") if name in self.model_fields_set}
         chat |= {name: value for name, value in (self.model_extra or {}).items() if name in CHAT_EXTRAS}
         for name in ("model", "user", "parallel_tool_calls"):
             if (value := getattr(self, name)) is not None:

@@ -11,7 +11,7 @@ import uvicorn
 
 from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import Model
-from jaxinfer.server.app import OpenAIServer, create_app
+from jaxinfer.server.app import OpenAIServer, check_generation_config, create_app
 from jaxinfer.server.loop import EngineLoop
 from jaxinfer.server.reasoning import find_reasoning_parser
 from jaxinfer.server.tools import call_parser
@@ -20,7 +20,7 @@ from jaxinfer.server.tools import call_parser
 def build_server(model: Model, engine_config: EngineConfig, model_name: str | Sequence[str],
                  api_key: str | None = None, max_queue: int = 256, warmup: bool = True,
                  tool_call_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
-                 reasoning_parser: str | None = None) -> OpenAIServer:
+                 reasoning_parser: str | None = None, generation_config: str = "auto") -> OpenAIServer:
     """An engine behind an `OpenAIServer`. At most `max_slots + max_queue` requests are
     outstanding; more are answered 429. With `warmup` the engine compiles its programs in the
     background (`Engine.start_warmup`): the server answers at once, `/health` says 503
@@ -30,16 +30,20 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
     The programs of requests with penalties, a logit bias or a grammar (structured output, tool
     calls) compile last. `allowed_origins`: the web pages (CORS origins) whose scripts may call
     the API, every one by default (vLLM's default). `reasoning_parser` ("qwen3", "deepseek_r1"):
-    a chat answer's thinking comes back as `reasoning_content` (`jaxinfer.server.reasoning`)."""
+    a chat answer's thinking comes back as `reasoning_content` (`jaxinfer.server.reasoning`).
+    `generation_config` (vLLM's flag): "auto" takes the sampling defaults of requests that leave
+    them out from the model's generation_config.json, "vllm" keeps the API's, a directory reads
+    its generation_config.json."""
     if max_queue < 0:
         raise ValueError(f"{max_queue=} must be >= 0")
     call_parser(tool_call_parser)  # refused before the engine is built
     find_reasoning_parser(reasoning_parser)
+    check_generation_config(generation_config)
     engine = Engine(model, engine_config)
     if warmup:
         engine.start_warmup(penalized=True, logprobs=True)
     return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key, tool_call_parser,
-                        allowed_origins, reasoning_parser)
+                        allowed_origins, reasoning_parser, generation_config)
 
 
 FLUSH_S = 5.0  # after the grace period: for the stopped requests' 503s and error events to go out
