@@ -3,6 +3,7 @@
 What a request asks for (`SamplingParams`), with vLLM's and the OpenAI API's meaning:
 
 - `logit_bias` {token: b}: b is added to the token's logit (b in [-100, 100]);
+- `allowed_token_ids` (vLLM's): every other token's logit is -inf (a bias of -inf);
 - `repetition_penalty` r (HF transformers, CTRL): the logit of every token that appeared in
   the prompt or the output so far is divided by r when positive, multiplied by r otherwise;
 - `frequency_penalty` f and `presence_penalty` p (OpenAI): a token's logit loses
@@ -85,6 +86,9 @@ def slot_history(vocab: int, prompt: Sequence[int], output: Sequence[int], param
     bias = np.zeros(vocab, np.float32)
     for token, value in params.logit_bias:
         bias[token] = value
+    if params.allowed_token_ids is not None:  # every other token's logit becomes -inf
+        allowed = np.asarray(params.allowed_token_ids, np.int64)
+        bias, bias[allowed] = np.full(vocab, -np.inf, np.float32), bias[allowed]
     in_prompt = np.zeros(vocab, bool)
     in_prompt[np.asarray(prompt, np.int64)] = True
     stops = [t for t in (*params.stop_token_ids, *(() if params.ignore_eos else eos_ids)) if t < vocab]

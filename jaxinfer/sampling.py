@@ -64,6 +64,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus f x times the token appeared in the output
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus p once the token appeared in the output
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()  # {token id: added to its logit, in [-100, 100]}
+    allowed_token_ids: Sequence[int] | None = None  # vLLM's: sample only among these ids (None: all)
     # Sample only what a JSON schema / regex / choice / grammar allows (`jaxinfer.structured_output`)
     structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
@@ -115,6 +116,15 @@ class SamplingParams:
             bias = tuple(sorted((token, value) for token, value in bias))
         except (TypeError, ValueError):
             bias = None
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            try:
+                allowed = tuple(sorted(set(allowed)))
+            except TypeError:
+                allowed = ()
+            _check(bool(allowed) and all(_is_int(t) and 0 <= t <= INT32_MAX for t in allowed),
+                   f"allowed_token_ids must be None or a non-empty list of token ids, got {str(self.allowed_token_ids)[:200]}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         _check(bias is not None and len(bias) <= MAX_LOGIT_BIAS
                and all(_is_int(t) and 0 <= t <= INT32_MAX and _is_real(v) and -100 <= v <= 100 for t, v in bias)
                and len({t for t, _ in bias}) == len(bias),
@@ -143,10 +153,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The request changes its logits before sampling (penalties, bias, min_tokens or a
-        structured-output grammar): its steps run the programs that do."""
+        """The request changes its logits before sampling (penalties, bias, allowed ids,
+        min_tokens or a structured-output grammar): its steps run the programs that do."""
         return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None
+                or self.allowed_token_ids is not None)
 
 
 def _check(ok: bool, message: str) -> None:

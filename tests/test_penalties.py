@@ -28,6 +28,7 @@ PENALTIES = {
     "negative_frequency": dict(frequency_penalty=-0.8),
     "bias": dict(logit_bias={3: 6.0, 11: -100.0, 50: 2.5}),
     "all": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.4, logit_bias={7: 3.0}),
+    "allowed": dict(allowed_token_ids=[13, 3, 5, 8, 3], logit_bias={5: 1.5, 40: 9.0}, repetition_penalty=1.2),
 }
 
 
@@ -44,6 +45,8 @@ def reference_penalize(logits: np.ndarray, prompt: list[int], output: list[int],
     x = logits.astype(np.float32).copy()
     for token, value in p.logit_bias:
         x[token] += np.float32(value)
+    if p.allowed_token_ids is not None:
+        x[np.setdiff1d(np.arange(len(x)), p.allowed_token_ids)] = -np.inf
     r = np.float32(p.repetition_penalty)
     for token in set(prompt) | set(output):
         x[token] = x[token] / r if x[token] > 0 else x[token] * r
@@ -234,6 +237,8 @@ def test_bad_penalties_raise_naming_the_field(model):
         (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
         (dict(logit_bias={"a": 1}), "logit_bias"), (dict(logit_bias={i: 1 for i in range(2000)}), "logit_bias"),
         (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=21), "min_tokens"), (dict(min_tokens=2.0), "min_tokens"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+        (dict(allowed_token_ids="ab"), "allowed_token_ids"), (dict(allowed_token_ids=[1.5]), "allowed_token_ids"),
     ]
     for changes, field in cases:
         with pytest.raises(ValueError, match=field):
@@ -241,6 +246,8 @@ def test_bad_penalties_raise_naming_the_field(model):
     eng = engine(model)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.add_request([1, 2], dataclasses.replace(BASE, logit_bias={97: 1.0}))
+    with pytest.raises(ValueError, match="allowed_token_ids: token ids \\[97\\] are outside"):
+        eng.add_request([1, 2], dataclasses.replace(BASE, allowed_token_ids=[1, 97]))
     assert not eng.has_unfinished_requests() and eng.penalties is None
 
 

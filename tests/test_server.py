@@ -636,13 +636,14 @@ def test_errors_have_openai_shape_and_disturb_nothing(srv, model):
 
 def test_penalties_and_logit_bias_equal_engine(srv, client, model):
     """OpenAI's frequency / presence penalties and logit_bias (string token-id keys), and
-    vLLM's repetition_penalty and min_tokens, reach the engine unchanged; requests without them beside
+    vLLM's repetition_penalty, min_tokens and allowed_token_ids, reach the engine unchanged; requests without them beside
     them are untouched."""
     prompt, tok = "Say it again and again and again", model.tokenizer
     ids = tok.encode(prompt)
     bias_token = tok.encode(" again", add_special_tokens=False)[0]
     cases = [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(extra_body={"repetition_penalty": 1.4}),
-             dict(logit_bias={str(bias_token): 100}), dict(extra_body={"min_tokens": 8, "stop_token_ids": [bias_token]})]
+             dict(logit_bias={str(bias_token): 100}), dict(extra_body={"min_tokens": 8, "stop_token_ids": [bias_token]}),
+             dict(extra_body={"allowed_token_ids": [bias_token, ids[0], ids[2]]})]
     for kwargs in cases:
         extra = kwargs.pop("extra_body", {})
         bias = {int(t): v for t, v in kwargs.pop("logit_bias", {}).items()}

@@ -338,7 +338,8 @@ class Engine:
     def _check_penalties(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check alone: the engine and the vocabulary."""
         name = next(n for n, neutral in (("repetition_penalty", 1), ("frequency_penalty", 0), ("presence_penalty", 0),
-                                          ("logit_bias", ()), ("min_tokens", 0), ("structured_outputs", None))
+                                          ("logit_bias", ()), ("min_tokens", 0), ("structured_outputs", None),
+                                          ("allowed_token_ids", None))
                     if getattr(params, n) != neutral)
         if self._channel is not None:
             raise ValueError(f"{name} is not supported yet on a mesh spanning several processes")
@@ -346,6 +347,8 @@ class Engine:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if bad := [t for t in params.allowed_token_ids or () if t >= vocab]:
+            raise ValueError(f"allowed_token_ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """llguidance's view of the vocabulary (~0.4 s), made at warm-up with `penalized` or at
