@@ -248,15 +248,16 @@ def _load(model: str | None, dtype: str, mesh=None, chat_template: str | None = 
     from jaxinfer.loading import load_model
     from jaxinfer.sharding import load_sharded
 
-    template = None if chat_template is None else read_chat_template(chat_template)  # checked before loading
+    if chat_template is not None:
+        read_chat_template(chat_template)  # checked before loading
     t0 = time.perf_counter()
     print(f"loading {model or 'the default model'} ...", file=sys.stderr, flush=True)
     loaded = load_model(model, dtype=dtype) if mesh is None else load_sharded(model, mesh, dtype=dtype)
     print(f"loaded {loaded.source} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    if template is not None:
+    if chat_template is not None:
         if loaded.tokenizer is None:
             raise ValueError("--chat-template needs the model's tokenizer, and this model has none")
-        loaded = dataclasses.replace(loaded, tokenizer=loaded.tokenizer.with_chat_template(template))
+        loaded = dataclasses.replace(loaded, tokenizer=loaded.tokenizer.with_chat_template(chat_template))
     return loaded
 
 

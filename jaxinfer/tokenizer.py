@@ -32,7 +32,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders
 
-from jaxinfer.chat_template import compile_chat_template, text_messages
+from jaxinfer.chat_template import compile_chat_template, read_chat_template, text_messages
 from jaxinfer.gguf_file import GGUFFile, read_gguf
 from jaxinfer.gguf_tokenizer import SPM_SPACE, UNICODE_TO_BYTE, backend_from_gguf, bos_eos_processor
 
@@ -142,10 +142,12 @@ class Tokenizer:
                    add_bos=add_bos, add_eos=add_eos)
 
     def with_chat_template(self, chat_template: str | None) -> Tokenizer:
-        """The same tokenizer rendering chats with `chat_template` (jinja source; None: none),
-        e.g. to give a base model one (`jaxinfer serve --chat-template FILE`)."""
+        """The same tokenizer rendering chats with `chat_template`: jinja source, or a file
+        holding it, as `--chat-template` takes it (`read_chat_template`, which checks its
+        syntax); None: no template. E.g. to give a base model one."""
         other = copy.copy(self)
-        other.chat_template, other._compiled_template = chat_template, None
+        other.chat_template = None if chat_template is None else read_chat_template(chat_template)
+        other._compiled_template = None
         return other
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:

@@ -269,6 +269,18 @@ def test_config_with_windows_mla_and_experts_round_trips_through_json():
         MoEConfig(n_experts=4, experts_per_token=2, expert_dim=8, activation="gelu")
 
 
+def test_qwen_sliding_windows_without_layer_types_follow_max_window_layers(tmp_path):
+    """Qwen2/3 configs written before `layer_types`: with `use_sliding_window`, layers from
+    `max_window_layers` on are windowed (transformers' reading); without it, none."""
+    from jaxinfer.checkpoint.hf_loader import config_from_hf
+
+    hf = dict(architectures=["Qwen3ForCausalLM"], vocab_size=10, hidden_size=8, num_hidden_layers=4, num_attention_heads=2,
+              intermediate_size=8, max_position_embeddings=64, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    assert config_from_hf(hf, tmp_path / "config.json").layer_windows == (None, None, 8, 8)
+    assert config_from_hf(hf | {"architectures": ["Qwen2ForCausalLM"]}, tmp_path / "config.json").layer_windows == (None, None, 8, 8)
+    assert config_from_hf(hf | {"use_sliding_window": False}, tmp_path / "config.json").layer_windows == ()
+
+
 def test_hf_loader_rejects_mixture_of_experts_layers(tmp_path):
     from jaxinfer.checkpoint.errors import CheckpointError
     from jaxinfer.checkpoint.hf_loader import config_from_hf

@@ -112,6 +112,9 @@ def test_chat_template_flag_replaces_the_models_template(smollm2_gguf, tmp_path)
     own = _load(str(smollm2_gguf), "float32").tokenizer
     assert "<|im_start|>" in own.apply_chat_template(chat)
     assert own.with_chat_template(template).apply_chat_template(chat) != own.apply_chat_template(chat)  # a copy
+    assert own.with_chat_template(str(tmp_path / "t.jinja")).chat_template == template  # a file, as the flag takes
+    with pytest.raises(ValueError, match="syntax error"):
+        own.with_chat_template("{% if %}")
     for value in (template, str(tmp_path / "t.jinja"), str(tmp_path / "t.json")):
         model = _load(str(smollm2_gguf), "float32", chat_template=value)
         assert model.tokenizer.apply_chat_template(chat) == "[system] Be brief.\n[user] Hi\n[assistant]"

@@ -473,9 +473,24 @@ def test_reasoning_parser_splits_the_thinking_from_the_answer(model, client):
         assert dropped["content"] == "\n\nFour." and "reasoning_content" not in dropped
         plain = thinker.chat.completions.create(**dict(kw, extra_body={"structured_outputs": {"choice": ["No tags."]}}))
         assert plain.choices[0].message.content == "No tags." and plain.choices[0].message.reasoning_content is None
+        cut = thinker.chat.completions.create(**dict(kw, max_tokens=7)).choices[0]  # cut short while thinking
+        assert cut.finish_reason == "length" and cut.message.content is None and cut.message.reasoning_content
+        # the Responses API: a reasoning item before the message, streamed as reasoning_text events
+        ask = {"model": NAME, "input": "2 + 2?", "max_output_tokens": 24, "temperature": 0,
+               "structured_outputs": {"choice": [answer]}}
+        output = httpx.post(f"{s.url}/v1/responses", json=ask, timeout=T).json()["output"]
+        assert [item["type"] for item in output] == ["reasoning", "message"]
+        assert output[0]["content"][0]["text"] == "Two and two.\n" and output[1]["content"][0]["text"] == "\n\nFour."
+        with httpx.stream("POST", f"{s.url}/v1/responses", json=ask | {"stream": True}, timeout=T) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Two and two.\n"
+        assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message"]
         assert client.chat.completions.create(**kw).choices[0].message.content == answer  # no parser: as written
         with pytest.raises(ValueError, match="reasoning_parser"):
             build_server(model, ENGINE, NAME, warmup=False, reasoning_parser="granite")
+        refused = httpx.post(f"{s.url}/v1/chat/completions", timeout=T,
+                             json={"model": NAME, "messages": kw["messages"], "chat_template": "{{ 'X' }}"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
     finally:
         s.stop()
 

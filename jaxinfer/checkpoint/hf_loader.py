@@ -281,6 +281,9 @@ def _layer_windows(hf: dict[str, Any], arch: str, n_layers: int, file: Path) -> 
     types = hf.get("layer_types")
     if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None  # Qwen2/3 ignore sliding_window unless use_sliding_window (HF Qwen2Config, Qwen3Config)
+    if types is None and window and arch in ("qwen2", "qwen3", "qwen3_moe"):  # older configs, as transformers reads them
+        first = int(hf.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
     if types is None and arch in GEMMA_ARCHITECTURES:  # older configs: every `pattern`-th layer is global
         pattern = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
@@ -362,11 +365,16 @@ def _rope_dict(hf: dict[str, Any], arch: str, file: Path) -> tuple[dict[str, Any
     return rope["full_attention"], float(local.get("rope_theta", 10000.0))
 
 
+# HF's YaRN as gpt-oss and the Llama / Qwen families use it (DeepSeek's also rescales the softmax by
+# `mscale`: not supported; Gemma's local layers would need their own)
+_YARN_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+
+
 def _rope_scaling(rope: dict[str, Any], arch: str, file: Path) -> Llama3RopeScaling | YarnRopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return None
-    if rope_type == "yarn" and arch == "gpt_oss":  # (DeepSeek's YaRN also rescales the softmax: not supported)
+    if rope_type == "yarn" and arch in _YARN_ARCHITECTURES:
         if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise CheckpointError(f"{file}: unsupported YaRN fields in {rope!r} (mscale / partial_rotary_factor)")
         for key in ("factor", "original_max_position_embeddings"):
@@ -377,7 +385,8 @@ def _rope_scaling(rope: dict[str, Any], arch: str, file: Path) -> Llama3RopeScal
                                truncate=bool(rope.get("truncate", True)),
                                attention_factor=None if rope.get("attention_factor") is None else float(rope["attention_factor"]))
     if rope_type != "llama3":
-        raise CheckpointError(f"{file}: unsupported RoPE scaling rope_type={rope_type!r}")
+        also = f" (yarn: for {', '.join(_YARN_ARCHITECTURES)})" if rope_type == "yarn" else ""
+        raise CheckpointError(f"{file}: unsupported RoPE scaling rope_type={rope_type!r}{also}")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     for key in keys:
         if key not in rope:

@@ -106,6 +106,9 @@ class OpenAIServer:
         return prompts
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        if body.chat_template is not None:  # a template is code the server would run: its operator's choice
+            raise ErrorBody(400, "chat_template: this server does not take a template per request; start it with "
+                                 "--chat-template", param="chat_template")
         tools = body.template_tools()
         options = body.template_options() | ({} if tools is None else {"tools": tools})
         return self._check_length(self.messages_ids(body.messages, options), "messages")
@@ -474,7 +477,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             content, calls = server.tool_call_parser.parse(text or "")
             return {"role": "assistant", "content": content} | thought(reasoning) | ({"tool_calls": calls} if calls else {}), calls
         if choice is None:
-            return {"role": "assistant", "content": text if reasoner is None else text or ""} | thought(reasoning), None
+            return {"role": "assistant", "content": text if reasoner is None else text or None} | thought(reasoning), None
         calls = parse_calls(out.text, choice)  # cut short: as far as written, as streamed
         return {"role": "assistant", "content": None} | ({"tool_calls": calls} if calls else {}), calls
 

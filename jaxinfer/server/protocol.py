@@ -286,6 +286,7 @@ class ChatCompletionRequest(ChatTemplateOptions, _Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # OpenAI: "auto" if tools
     parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
     include_reasoning: bool = True  # extra (vLLM's): with a reasoning parser, False drops the thinking
+    chat_template: str | None = None  # vLLM's per-request template: refused (`jaxinfer serve --chat-template`)
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice | None:

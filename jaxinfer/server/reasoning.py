@@ -6,11 +6,12 @@ message carries that text as `reasoning_content` (and `reasoning`, vLLM's newer 
 rest as `content`; streamed, each delta carries the part of its text on each side. The two
 parsers differ where the tags are missing:
 
-- `qwen3`: the model writes both tags; an answer without a complete `<think>...</think>` is all
+- `qwen3`: the model opens `<think>` itself; an answer that does not begin with it is all
   content (thinking switched off: `chat_template_kwargs: {"enable_thinking": false}`).
 - `deepseek_r1`: the chat template opens `<think>` in the prompt, so the answer starts inside
-  the thinking (a `<think>` the model writes anyway is dropped); without `</think>` it is all
-  reasoning (cut short by `max_tokens`).
+  the thinking (a `<think>` the model writes anyway is dropped).
+
+Both: a thinking never closed (cut short by `max_tokens`) is all reasoning, streamed or not.
 
 A request's `include_reasoning: false` drops the reasoning.
 """
@@ -33,12 +34,9 @@ class ReasoningParser:
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole answer -> (reasoning, content); None where there is none."""
-        opened = text.startswith(START)
-        if not (opened or self.starts_inside):
+        if not (text.startswith(START) or self.starts_inside):
             return None, text or None
-        reasoning, closed, content = text.removeprefix(START).partition(END)
-        if not closed:  # unfinished: R1's is reasoning cut short; qwen3's never began properly
-            return (reasoning or None, None) if self.starts_inside else (None, text or None)
+        reasoning, _, content = text.removeprefix(START).partition(END)  # unclosed: thinking cut short
         return reasoning or None, content or None
 
     def stream(self) -> ReasoningStream:
@@ -77,8 +75,7 @@ class ReasoningStream:
         return text[: len(text) - keep], ""
 
     def finish(self) -> tuple[str, str]:
-        """What is held back, at the end of the answer. (A qwen3 thinking left unfinished was
-        streamed as reasoning, where `split` of the whole answer calls it content.)"""
+        """What is held back, at the end of the answer."""
         held, self._held = self._held, ""
         if self._state == "lead":
             return ("", held) if not self.parser.starts_inside else (held, "")

@@ -165,6 +165,12 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking (the chat message's `reasoning_content`, with a reasoning parser)."""
+    content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
             "arguments": "" if status == "in_progress" else call["function"]["arguments"], "status": status}
@@ -190,6 +196,8 @@ def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[s
     """A chat completion (one choice) as a response."""
     choice = completion["choices"][0]
     message, output, status = choice["message"], [], item_status(choice["finish_reason"])
+    if message.get("reasoning_content"):
+        output.append(reasoning_item(new_id("rs"), message["reasoning_content"], status))
     if message.get("content"):
         output.append(message_item(new_id("msg"), message["content"], status))
     for call in message.get("tool_calls") or []:
@@ -230,6 +238,8 @@ class ResponseEvents:
         events = []
         for choice in data.get("choices", []):
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -256,6 +266,17 @@ class ResponseEvents:
         return events + [self._event("response.output_text.delta", item_id=self._open["id"], output_index=len(self.output),
                                      content_index=0, delta=text, logprobs=[])]
 
+    def _reasoning(self, text: str) -> list[str]:
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close()
+            item = reasoning_item(new_id("rs"), "", status="in_progress")
+            self._open = item | {"text": ""}
+            events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
+        self._open["text"] += text
+        return events + [self._event("response.reasoning_text.delta", item_id=self._open["id"],
+                                     output_index=len(self.output), content_index=0, delta=text)]
+
     def _call(self, call: dict[str, Any]) -> list[str]:
         events = []
         if call["index"] not in self._calls:  # a call's first delta: its id and name
@@ -277,7 +298,11 @@ class ResponseEvents:
         if item is None:
             return []
         index = len(self.output)
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            done = reasoning_item(item["id"], item["text"], status)
+            events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                  text=item["text"])]
+        elif item["type"] == "message":
             done = message_item(item["id"], item["text"], status)
             part = done["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
