@@ -37,8 +37,8 @@ from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_lo
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
-from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, to_response
 from jaxinfer.server.reasoning import find_reasoning_parser
+from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, to_response
 from jaxinfer.server.tools import RequiredCalls, call_parser, parse_calls, tool_call
 
 T = TypeVar("T")
