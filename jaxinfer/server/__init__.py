@@ -2,6 +2,6 @@
 
 from jaxinfer.server.app import OpenAIServer, create_app
 from jaxinfer.server.loop import EngineLoop, QueueFull
-from jaxinfer.server.serve import build_server, serve
+from jaxinfer.server.serve import DrainingServer, build_server, serve
 
-__all__ = ["EngineLoop", "OpenAIServer", "QueueFull", "build_server", "create_app", "serve"]
+__all__ = ["DrainingServer", "EngineLoop", "OpenAIServer", "QueueFull", "build_server", "create_app", "serve"]
