@@ -70,7 +70,8 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: 'ngram' (prompt lookup), 'self:N' (the model's first N layers), "
                    "'draft[:DIR]' (a trained draft; default checkpoints/smollm2_draft) or 'eagle[:DIR]' (an EAGLE "
                    "head over the model's features; default checkpoints/smollm2_eagle)")
-    p.add_argument("--num-speculative", type=int, default=4, help="draft tokens verified per step (k)")
+    p.add_argument("--num-speculative", "--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens verified per step (k)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="steps with N or more decoding requests do not speculate ('ngram' and 'self:N' only)")
 
@@ -224,14 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "DeepSeek-R1; vLLM's flag)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted as vLLM has it; needs --tool-call-parser, which alone turns parsing on")
-    srv.add_argument("--max-slots", type=int, default=8, help="requests served concurrently")
+    srv.add_argument("--max-slots", "--max-num-seqs", type=int, default=8, help="requests served concurrently")
     _add_attention_flag(srv)
     srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
     srv.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
-    srv.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    srv.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page")
     srv.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: enough for every slot)")
     srv.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a request prefills per step")
-    srv.add_argument("--no-prefix-caching", action="store_true",
+    srv.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                      help="do not reuse the KV pages of a prompt prefix computed before")
     _add_speculative_flags(srv)
     _add_kv_cache_flag(srv)

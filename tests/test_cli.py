@@ -100,6 +100,15 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
         assert status == 2 and named in err and "Traceback" not in err, (kind, args, err)
 
 
+def test_serve_takes_vllms_flag_names():
+    """vLLM's names for the same settings, so a vLLM command line works as it is."""
+    from jaxinfer.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "3", "--block-size", "32", "--no-enable-prefix-caching",
+                                      "--speculative", "ngram", "--num-speculative-tokens", "2"])
+    assert (args.max_slots, args.page_size, args.no_prefix_caching, args.num_speculative) == (3, 32, True, 2)
+
+
 def test_chat_template_flag_replaces_the_models_template(smollm2_gguf, tmp_path):
     """`--chat-template` (vLLM's flag) takes the template itself, a .jinja file or a JSON file
     with a `chat_template`; chats render with it instead of the model's."""
