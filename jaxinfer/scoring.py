@@ -27,9 +27,11 @@ def score_tokens(model, ids: list[int]) -> TokenLogprobs:
     """`model` (a `jaxinfer.loading.Model`), ids of n >= 1 tokens -> TokenLogprobs[n - 1] on
     the host: the logprob of token i + 1 after tokens 0..i (vLLM's convention: the raw
     distribution, no temperature) and its top alternatives. The first token has none."""
-    n = len(ids)
+    n, vocab = len(ids), model.config.vocab_size
     if n < 1 or n > model.config.max_position:
         raise ValueError(f"can score 1 to {model.config.max_position} tokens, got {n}")
+    if bad := [i for i in ids if not 0 <= i < vocab]:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     bucket = min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), -(-model.config.max_position // PAGE_SIZE) * PAGE_SIZE)
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :n] = ids  # the padding after the last token cannot change what came before (causal)

@@ -28,6 +28,7 @@ from jaxinfer.speculative import DraftModel
 from jaxinfer.engine import Engine, EngineConfig, SpeculativeConfig
 from jaxinfer.loading import load_model
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.scoring import score_tokens
 from jaxinfer.server.serve import DrainingServer, build_server
 from jaxinfer.tokenizer import Tokenizer
 from test_model_parity import all_position_logits
@@ -1050,6 +1051,27 @@ def test_completion_echo_with_logprobs_scores_the_prompt(srv, client, model):
     only = client.completions.create(max_tokens=0, **kw)
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+
+
+def test_a_batch_of_prompts_is_checked_and_bounded_prompt_by_prompt(srv, model):
+    """Each prompt of a batch gets the default max_tokens its own context leaves (16, or less
+    near the end), in either order; token ids outside the vocabulary are a 400 also when the
+    prompt would be echoed or scored; a prompt scored alone (max_tokens 0) may fill the context."""
+    long, short = [7] * (MAX_LEN - 4), [7, 8, 9]
+    for batch in ([short, long], [long, short]):
+        choices = httpx.post(f"{srv.url}/v1/completions", timeout=T, json={
+            "model": NAME, "prompt": batch, "temperature": 0, "ignore_eos": True, "logprobs": 0}).json()["choices"]
+        assert [len(c["logprobs"]["tokens"]) for c in choices] == [16 if p is short else 4 for p in batch]
+    for extra in ({"echo": True, "logprobs": 1, "max_tokens": 0}, {"prompt_logprobs": 1}, {}):
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": [1, 10**6], **extra}, timeout=T)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "vocabulary" in r.json()["error"]["message"]
+    full = {"model": NAME, "prompt": [7] * MAX_LEN, "echo": True, "logprobs": 1}
+    scored = httpx.post(f"{srv.url}/v1/completions", json=full | {"max_tokens": 0}, timeout=T)
+    assert scored.status_code == 200 and len(scored.json()["choices"][0]["logprobs"]["tokens"]) == MAX_LEN
+    over = httpx.post(f"{srv.url}/v1/completions", json=full | {"max_tokens": 1}, timeout=T)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        score_tokens(model, [1, 10**6])
 
 
 def test_prompt_logprobs_as_vllm_returns_them(srv, model):

@@ -97,12 +97,15 @@ class OpenAIServer:
         if len(batch) * body.n > self.loop.max_outstanding:  # more than the server ever holds: no retry helps
             raise ErrorBody(400, f"prompt: a batch of {len(batch)} prompts x n={body.n} choices; this server holds at "
                                  f"most {self.loop.max_outstanding} requests", param="prompt")
-        prompts = []
+        prompts, generating, vocab = [], body.max_tokens != 0, self.loop.engine.model.config.vocab_size
         for one in batch:
             if isinstance(one, str):
-                prompts.append((one, self._check_length(self._tokenize("prompt", lambda tok: tok.encode(one)), "prompt")))
+                ids = self._tokenize("prompt", lambda tok: tok.encode(one))
+            elif bad := [i for i in one if not 0 <= i < vocab]:  # checked here: echo decodes and scores them first
+                raise ErrorBody(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
             else:
-                prompts.append((None, self._check_length(list(one), "prompt")))
+                ids = list(one)
+            prompts.append((one if isinstance(one, str) else None, self._check_length(ids, "prompt", generating)))
         return prompts
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
@@ -170,12 +173,14 @@ class OpenAIServer:
             raise ErrorBody(400, f"{param}: this model has no tokenizer; send token ids", param=param)
         return self.tokenizer
 
-    def _check_length(self, ids: list[int], param: str) -> list[int]:
+    def _check_length(self, ids: list[int], param: str, generating: bool = True) -> list[int]:
+        """A prompt fits the context with room for one generated token (or, scored only, fills it)."""
         if not ids:
             raise ErrorBody(400, f"{param} is empty", param=param)
-        if len(ids) >= self.max_model_len:
-            raise ErrorBody(400, f"{param} has {len(ids)} tokens; the context is {self.max_model_len} tokens "
-                                 "(prompt + at least one generated token)", param=param, code="context_length_exceeded")
+        if len(ids) > (self.max_model_len - 1 if generating else self.max_model_len):
+            room = " (prompt + at least one generated token)" if generating else ""
+            raise ErrorBody(400, f"{param} has {len(ids)} tokens; the context is {self.max_model_len} tokens{room}",
+                            param=param, code="context_length_exceeded")
         return ids
 
     def params(self, body: _Common, ids: list[int], default_max_tokens: int | None):
@@ -301,7 +306,9 @@ def _field_of(message: str) -> str | None:
 async def completions(server: OpenAIServer, raw: Request, body: CompletionRequest):
     model = server.check_model(body)
     prompts = server.completion_prompts(body)
-    params = server.params(body, prompts[0][1], default_max_tokens=16)  # one default: the same for every prompt
+    # per prompt: a default max_tokens never asks for more than that prompt's context has left
+    per_prompt = [server.params(body, ids, default_max_tokens=16) for _, ids in prompts]
+    params = per_prompt[0]
     n, wants_logprobs = body.n, body.num_logprobs is not None
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     # echo: each choice's text starts with its prompt (the text as sent, or the ids decoded,
@@ -316,7 +323,8 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
     prompt_lps = [await server.prompt_logprobs(body, ids) for _, ids in prompts]
     if not params:  # max_tokens 0 with echo: the prompts (and their logprobs), nothing generated
         return _echo_only(body, model, echoed, echo_lps, prompt_lps, prompt_tokens)
-    sink, rids = await server.submit([ids for _, ids in prompts for _ in range(n)], params * len(prompts), body.salt)
+    sink, rids = await server.submit([ids for _, ids in prompts for _ in range(n)], [p for ps in per_prompt for p in ps],
+                                     body.salt)
     rid, created = new_id("cmpl"), now()
 
     def chunk(choices, use=None):
