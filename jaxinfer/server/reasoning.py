@@ -56,10 +56,11 @@ class ReasoningStream:
         """The next delta -> (reasoning, content) it releases."""
         text, self._held = self._held + text, ""
         if self._state == "lead":
+            if text == START:
+                self._state = "reasoning"
+                return "", ""
             if START.startswith(text):  # "", "<th": not decided yet
-                self._held = text if text != START else ""
-                if text == START:
-                    self._state = "reasoning"
+                self._held = text
                 return "", ""
             opened = text.startswith(START)
             text = text.removeprefix(START)
@@ -78,7 +79,7 @@ class ReasoningStream:
         """What is held back, at the end of the answer."""
         held, self._held = self._held, ""
         if self._state == "lead":
-            return ("", held) if not self.parser.starts_inside else (held, "")
+            return (held, "") if self.parser.starts_inside else ("", held)
         return (held, "") if self._state == "reasoning" else ("", held)
 
 
