@@ -88,7 +88,9 @@ def slot_history(vocab: int, prompt: Sequence[int], output: Sequence[int], param
         bias[token] = value
     if params.allowed_token_ids is not None:  # every other token's logit becomes -inf
         allowed = np.asarray(params.allowed_token_ids, np.int64)
-        bias, bias[allowed] = np.full(vocab, -np.inf, np.float32), bias[allowed]
+        kept = bias[allowed]
+        bias = np.full(vocab, -np.inf, np.float32)
+        bias[allowed] = kept
     in_prompt = np.zeros(vocab, bool)
     in_prompt[np.asarray(prompt, np.int64)] = True
     stops = [t for t in (*params.stop_token_ids, *(() if params.ignore_eos else eos_ids)) if t < vocab]
