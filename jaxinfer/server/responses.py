@@ -253,29 +253,29 @@ class ResponseEvents:
         return events
 
     def _text(self, text: str) -> list[str]:
-        events = []
-        if self._open is None or self._open["type"] != "message":
-            events += self._close()
-            item = message_item(new_id("msg"), "", status="in_progress")
-            self._open = item | {"text": ""}
-            index = len(self.output)
-            events += [self._event("response.output_item.added", output_index=index, item=item),
-                       self._event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                                   part={"type": "output_text", "text": "", "annotations": []})]
-        self._open["text"] += text
-        return events + [self._event("response.output_text.delta", item_id=self._open["id"], output_index=len(self.output),
-                                     content_index=0, delta=text, logprobs=[])]
+        return self._written("message", text)
 
     def _reasoning(self, text: str) -> list[str]:
+        return self._written("reasoning", text)
+
+    def _written(self, kind: str, text: str) -> list[str]:
+        """`text` added to the open item of `kind` ("message" or "reasoning"), opened first."""
+        message = kind == "message"
         events = []
-        if self._open is None or self._open["type"] != "reasoning":
+        if self._open is None or self._open["type"] != kind:
             events += self._close()
-            item = reasoning_item(new_id("rs"), "", status="in_progress")
+            item = (message_item(new_id("msg"), "", status="in_progress") if message else
+                    reasoning_item(new_id("rs"), "", status="in_progress"))
             self._open = item | {"text": ""}
-            events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))
+            index = len(self.output)
+            events.append(self._event("response.output_item.added", output_index=index, item=item))
+            if message:
+                events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                          content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         self._open["text"] += text
-        return events + [self._event("response.reasoning_text.delta", item_id=self._open["id"],
-                                     output_index=len(self.output), content_index=0, delta=text)]
+        delta = ("response.output_text.delta", {"logprobs": []}) if message else ("response.reasoning_text.delta", {})
+        return events + [self._event(delta[0], item_id=self._open["id"], output_index=len(self.output), content_index=0,
+                                     delta=text, **delta[1])]
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         events = []
