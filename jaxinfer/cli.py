@@ -221,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "repetition_penalty, max_tokens): 'auto' the model's generation_config.json, 'vllm' "
                           "the API's own, or a directory's generation_config.json (vLLM's flag)")
     srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                     help="return a chat answer's <think>...</think> as message.reasoning_content (Qwen3, "
-                          "DeepSeek-R1; vLLM's flag)")
+                     help="return a chat answer's <think>...</think> as message.reasoning_content, and "
+                          "constrain structured output only after it (Qwen3, DeepSeek-R1; vLLM's flag)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted as vLLM has it; needs --tool-call-parser, which alone turns parsing on")
     srv.add_argument("--max-slots", "--max-num-seqs", type=int, default=8, help="requests served concurrently")

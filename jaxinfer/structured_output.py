@@ -135,12 +135,12 @@ class GrammarMatcher:
 
     def __init__(self, matcher: Any, words: int) -> None:
         self._matcher = matcher
-        self._words = words
+        self.words = words
 
     def allowed(self) -> np.ndarray:
         """i32[W]: the packed bitmask of the tokens the grammar allows next."""
         mask = np.frombuffer(self._matcher.compute_bitmask(), np.int32)
-        return mask[: self._words]
+        return mask[: self.words]
 
     def consume(self, token: int) -> None:
         """Advance past a sampled token; ValueError if the grammar did not allow it (only a
@@ -165,11 +165,72 @@ class GrammarMatcher:
             if not self._matcher.consume_token(int(token)):
                 break
             if self._matcher.is_stopped():
-                masks.append(np.full(self._words, -1, np.int32))
+                masks.append(np.full(self.words, -1, np.int32))
                 break
             masks.append(self.allowed())
         self._matcher.rollback(len(masks))
-        return np.stack(masks) if masks else np.zeros((0, self._words), np.int32)
+        return np.stack(masks) if masks else np.zeros((0, self.words), np.int32)
+
+
+class AfterThinking:
+    """A grammar that starts when a reasoning model's thinking is over (vLLM's structured
+    output under a reasoning parser: `jaxinfer.reasoning`). The same methods as
+    `GrammarMatcher`, through three states:
+
+    - "thinking": every token is allowed until the output ends with `end` (the ids of
+      `</think>`); then the answer starts;
+    - "lead": the first token either opens a thinking (`opener`, the one token of `<think>`:
+      a tokenizer that spells it in several tokens cannot open one under a grammar) or starts
+      the answer (any token the grammar allows);
+    - "answer": the grammar's.
+    """
+
+    def __init__(self, grammar: GrammarMatcher, state: str, end: Sequence[int], opener: int | None = None) -> None:
+        if state not in ("thinking", "lead", "answer") or (state == "lead" and opener is None):
+            raise ValueError(f"AfterThinking: state {state!r} (opener {opener})")
+        self.grammar, self.state = grammar, state
+        self._end, self._opener = tuple(end), opener
+        self._tail: tuple[int, ...] = ()  # thinking: its last len(end) tokens
+
+    def allowed(self) -> np.ndarray:
+        """i32[W]: the tokens allowed next."""
+        if self.state == "thinking":
+            return np.full(self.grammar.words, -1, np.int32)
+        mask = self.grammar.allowed()
+        if self.state == "lead":
+            mask = mask.copy()
+            mask.view(np.uint32)[self._opener // BITS] |= np.uint32(1 << self._opener % BITS)
+        return mask
+
+    def consume(self, token: int) -> None:
+        self.state, self._tail, answers = self._next(self.state, self._tail, token)
+        if answers:
+            self.grammar.consume(token)
+
+    @property
+    def done(self) -> bool:
+        return self.state == "answer" and self.grammar.done
+
+    def draft_masks(self, drafts: Sequence[int]) -> np.ndarray:
+        """`GrammarMatcher.draft_masks`, through the thinking: free while it lasts, the
+        grammar's from the token that ends it."""
+        state, tail, masks = self.state, self._tail, [np.zeros((0, self.grammar.words), np.int32)]
+        for j, token in enumerate(drafts):
+            if state == "answer" or (state == "lead" and token != self._opener):  # the grammar's from here
+                masks.append(self.grammar.draft_masks(drafts[j:]))
+                break
+            state, tail, _ = self._next(state, tail, token)
+            masks.append((np.full(self.grammar.words, -1, np.int32) if state == "thinking" else self.grammar.allowed())[None])
+        return np.concatenate(masks)
+
+    def _next(self, state: str, tail: tuple[int, ...], token: int) -> tuple[str, tuple[int, ...], bool]:
+        """(state, tail) after `token`, and whether the grammar takes it (it is the answer's)."""
+        if state == "answer":
+            return state, tail, True
+        if state == "lead":
+            return ("thinking", (), False) if token == self._opener else ("answer", (), True)
+        tail = (*tail, int(token))[-len(self._end):]
+        return ("answer", (), False) if tail == self._end else ("thinking", tail, False)
 
 
 class GrammarCompiler:

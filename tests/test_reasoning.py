@@ -1,4 +1,4 @@
-"""The reasoning parsers (`jaxinfer.server.reasoning`): a whole answer's split, and the same
+"""The reasoning parsers (`jaxinfer.reasoning`): a whole answer's split, and the same
 split from any way of cutting it into streamed deltas."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.server.reasoning import END, REASONING_PARSERS, START, find_reasoning_parser
+from jaxinfer.reasoning import END, REASONING_PARSERS, START, find_reasoning_parser
 
 QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
 
@@ -50,3 +50,24 @@ def test_unknown_parser_is_named():
     assert find_reasoning_parser(None) is None
     with pytest.raises(ValueError, match="reasoning_parser='granite': the parsers are qwen3, deepseek_r1"):
         find_reasoning_parser("granite")
+
+
+def test_earlier_thinking_reaches_the_chat_template():
+    """An assistant message's `reasoning_content` (or vLLM's `reasoning`), and a Responses
+    `reasoning` item sent back in `input`, become the next assistant turn's `reasoning_content`
+    (what templates that keep the latest thinking read)."""
+    from jaxinfer.server.protocol import ChatMessage
+    from jaxinfer.server.responses import ResponsesRequest
+
+    for name in ("reasoning_content", "reasoning"):
+        assert ChatMessage(role="assistant", content="4", **{name: "2+2"}).template_fields()["reasoning_content"] == "2+2"
+    assert "reasoning_content" not in ChatMessage(role="assistant", content="4").template_fields()
+    thought = {"type": "reasoning", "id": "rs-1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    chat = ResponsesRequest(input=[{"role": "user", "content": "q"}, thought, call, dict(call, call_id="c2"),
+                                   {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                                   {**thought, "content": [], "summary": [{"type": "summary_text", "text": "so"}]},
+                                   {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]).to_chat()
+    turns = [m.template_fields() for m in chat.messages]
+    assert [(t["role"], t.get("reasoning_content"), len(t.get("tool_calls", []))) for t in turns] == [
+        ("user", None, 0), ("assistant", "hm", 2), ("tool", None, 0), ("assistant", "so", 0), ("user", None, 0)]

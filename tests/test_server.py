@@ -449,6 +449,29 @@ def test_the_models_generation_config_sets_the_defaults_of_fields_left_out(model
         build_server(model, ENGINE, NAME, warmup=False, generation_config="nowhere")
 
 
+def test_a_forced_tool_call_may_think_first(model):
+    """With a reasoning parser (here the engine config's), a forced call's grammar starts after
+    the thinking, and the thinking comes back as `reasoning_content` beside the calls, here
+    DeepSeek-R1's, which the tiny model never closes: all reasoning, no call, cut by length.
+    A server and an engine config naming different parsers are refused."""
+    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, reasoning_parser="deepseek_r1"), NAME, warmup=False))
+    try:
+        thinker = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=T)
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "Which unit?"}], tools=TOOLS, max_tokens=6,
+                  temperature=0, tool_choice="required")
+        r = thinker.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "length" and msg.tool_calls is None and msg.content is None
+        assert msg.reasoning_content and r.usage.completion_tokens_details.reasoning_tokens == 6
+        calls, finish = _streamed_calls(thinker.chat.completions.create(stream=True, **kw))
+        assert calls == {} and finish == "length"
+    finally:
+        s.stop()
+    with pytest.raises(ValueError, match="reasoning_parser='qwen3' differs from the engine config's 'deepseek_r1'"):
+        build_server(model, dataclasses.replace(ENGINE, reasoning_parser="deepseek_r1"), NAME, warmup=False,
+                     reasoning_parser="qwen3")
+
+
 def test_reasoning_parser_splits_the_thinking_from_the_answer(model, client):
     """`reasoning_parser="qwen3"` (vLLM's `--reasoning-parser`): a chat answer's <think>...</think>
     comes back as `reasoning_content` (and `reasoning`), the rest as content, streamed or not;
@@ -460,8 +483,11 @@ def test_reasoning_parser_splits_the_thinking_from_the_answer(model, client):
         answer = "<think>Two and two.\n</think>\n\nFour."
         kw = dict(model=NAME, messages=[{"role": "user", "content": "2 + 2?"}], max_tokens=24, temperature=0,
                   extra_body={"structured_outputs": {"choice": [answer]}})
-        msg = thinker.chat.completions.create(**kw).choices[0].message
+        answered = thinker.chat.completions.create(**kw, logprobs=True)
+        msg, tokens = answered.choices[0].message, [t.token for t in answered.choices[0].logprobs.content]
         assert (msg.content, msg.reasoning_content, msg.reasoning) == ("\n\nFour.", "Two and two.\n", "Two and two.\n")
+        n = answered.usage.completion_tokens_details.reasoning_tokens  # the thinking's tokens, tags included
+        assert "</think>" in "".join(tokens[:n]) and "</think>" not in "".join(tokens[: n - 1]) and n < len(tokens)
         reasoning = content = ""
         for c in thinker.chat.completions.create(stream=True, **kw):
             if c.choices:
@@ -479,13 +505,16 @@ def test_reasoning_parser_splits_the_thinking_from_the_answer(model, client):
         # the Responses API: a reasoning item before the message, streamed as reasoning_text events
         ask = {"model": NAME, "input": "2 + 2?", "max_output_tokens": 24, "temperature": 0,
                "structured_outputs": {"choice": [answer]}}
-        output = httpx.post(f"{s.url}/v1/responses", json=ask, timeout=T).json()["output"]
+        responded = httpx.post(f"{s.url}/v1/responses", json=ask, timeout=T).json()
+        output = responded["output"]
         assert [item["type"] for item in output] == ["reasoning", "message"]
+        assert responded["usage"]["output_tokens_details"]["reasoning_tokens"] == n
         assert output[0]["content"][0]["text"] == "Two and two.\n" and output[1]["content"][0]["text"] == "\n\nFour."
         with httpx.stream("POST", f"{s.url}/v1/responses", json=ask | {"stream": True}, timeout=T) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Two and two.\n"
         assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message"]
+        assert events[-1]["response"]["usage"]["output_tokens_details"]["reasoning_tokens"] == n
         assert client.chat.completions.create(**kw).choices[0].message.content == answer  # no parser: as written
         with pytest.raises(ValueError, match="reasoning_parser"):
             build_server(model, ENGINE, NAME, warmup=False, reasoning_parser="granite")
@@ -587,13 +616,17 @@ def test_responses_api(srv, client):
     for bad, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
                         "input.0.content.0"),
-                       ({"tools": [{"type": "web_search"}]}, "tools.0.type"), ({"input": [{"type": "reasoning"}]}, "input.0.type"),
+                       ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+                       ({"input": [{"type": "web_search_call"}]}, "input.0.type"),
+                       ({"input": [{"type": "reasoning", "content": "x"}]}, "input.0"),
+                       ({"input": "x " * 400}, "input"), ({"max_output_tokens": 10**5}, "max_output_tokens"),
                        ({"text": {"format": {"type": "xml"}}}, "text.format"), ({"input": [{"role": "robot"}]}, "input"),
                        ({"max_output_tokens": 0}, "max_output_tokens"), ({"model": "nope"}, "model"),
                        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
                        ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input.0")]:
         err = httpx.post(f"{srv.url}/v1/responses", json={"model": NAME, "input": "x"} | bad, timeout=T)
         assert err.status_code in (400, 404) and err.json()["error"]["param"] == param, (bad, err.text)
+        assert not re.search(r"\b(max_tokens|messages)\b", err.json()["error"]["message"]), err.text  # chat's names
 
 
 def test_default_max_tokens_fits_the_context(srv, model):

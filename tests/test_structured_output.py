@@ -5,6 +5,7 @@ tokens asynchronously and with speculative decoding, and clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -286,3 +287,79 @@ def test_bad_structured_outputs_raise_naming_the_field_and_lose_nothing(model):
     while eng.has_unfinished_requests():
         done.update({o.request_id: o for o in eng.step() if o.finished})
     assert list(eng.requests) == [] and re.fullmatch("[a-z]+", done[good].text)
+
+
+def spelled_alone(model: Model, tokens: list[int]) -> list[int]:
+    """Indices of `tokens` that are the whole tokenization of their own text (usable as tags)."""
+    tok = model.tokenizer
+    return [i for i, t in enumerate(tokens) if tok.encode(tok.decode([t], skip_special_tokens=False),
+                                                          add_special_tokens=False) == [t]]
+
+
+@pytest.mark.parametrize("opens", ["template", "model"])
+def test_with_a_reasoning_parser_the_grammar_starts_after_the_thinking(model, monkeypatch, opens):
+    """`EngineConfig.reasoning_parser`: a constrained request's tokens are an unconstrained
+    request's (same seed) up to the closing tag, then the reference loop's under the grammar
+    from there (sampled, token for token). The tags are tokens the tiny model samples anyway:
+    the template opens the thinking (DeepSeek-R1) or the model's first token does (Qwen3)."""
+    from jaxinfer import reasoning
+
+    tok, prompt, p = model.tokenizer, model.tokenizer.encode("Think, then reply:"), params(CASES["json"], 0)
+    free = engine(model).generate([prompt], [dataclasses.replace(p, structured_outputs=None)])[0].token_ids
+    first = 1 if opens == "model" else 0  # the free answer's first token opens the thinking
+    alone = [i for i in spelled_alone(model, free) if i >= first + 2 and free[i] not in free[first:i]]
+    assert (opens == "template" or 0 in spelled_alone(model, free)) and alone
+    end = alone[0]
+    parser = reasoning.ReasoningParser("test", starts_inside=opens == "template",
+                                       start=tok.decode(free[:1], skip_special_tokens=False) if first else "<think>",
+                                       end=tok.decode([free[end]], skip_special_tokens=False))
+    monkeypatch.setitem(reasoning.REASONING_PARSERS, "test", parser)
+    out = engine(model, reasoning_parser="test").generate([prompt], [p])[0]
+    thinking = free[: end + 1]
+    answer = reference_decode(model, llg_tokenizer(model), prompt + thinking,
+                              dataclasses.replace(p, max_tokens=p.max_tokens - len(thinking)), p.seed)
+    assert out.token_ids == thinking + answer
+    assert answer != free[end + 1 :]  # the grammar took over
+    check_follows("json", tok.decode(answer), out.finish_reason == "stop")
+
+
+def test_a_closed_or_unclosed_thinking_in_the_prompt_starts_the_answer_or_the_thinking(model):
+    """The real parsers with SmolLM2's tokenizer (its <think> is three tokens, so the model
+    cannot open one under a grammar): a prompt ending with </think> (a template with thinking
+    off) or Qwen3's convention constrain from the first token, as without a parser;
+    DeepSeek-R1's leaves an answer that never closes its thinking free."""
+    lltok, p = llg_tokenizer(model), params(CASES["json"], 1)
+    closed, open_ = model.tokenizer.encode("Reply: <think>done</think>\n"), model.tokenizer.encode("Reply:")
+    for name, prompt in (("deepseek_r1", closed), ("qwen3", closed), ("qwen3", open_)):
+        out = engine(model, reasoning_parser=name).generate([prompt], [p])[0]
+        assert out.token_ids == reference_decode(model, lltok, prompt, p, p.seed), (name, prompt)
+    free = engine(model).generate([open_], [dataclasses.replace(p, structured_outputs=None)])[0]
+    assert "</think>" not in free.text
+    assert engine(model, reasoning_parser="deepseek_r1").generate([open_], [p])[0].token_ids == free.token_ids
+
+
+def test_after_thinking_draft_masks_follow_the_states_and_move_nothing(model):
+    """`AfterThinking.draft_masks` equals the masks of a gate fed token by token, through the
+    lead (opener allowed beside the grammar), the thinking (everything) and the answer (the
+    grammar's, cut at a refused token); the gate stays where it was."""
+    from jaxinfer.structured_output import AfterThinking, GrammarCompiler
+
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, model.config.eos_ids)
+    ids = model.tokenizer.encode("red red red red red red ", add_special_tokens=False)
+    opener, end, other = 7, model.tokenizer.encode(" ok.", add_special_tokens=False), 13
+    drafts = [opener, other, *end, *ids[:3], other]  # opens, thinks, closes, answers, then a refused token
+    gate, step_by_step = (AfterThinking(compiler.matcher(REPEATS), "lead", end, opener) for _ in range(2))
+    lead = gate.allowed().copy()
+    assert lead[opener // 32] & (1 << opener % 32) and not compiler.matcher(REPEATS).allowed()[opener // 32] & (1 << opener % 32)
+    want = []
+    for token in drafts[:-1]:
+        step_by_step.consume(token)
+        want.append(step_by_step.allowed().copy())
+    np.testing.assert_array_equal(gate.draft_masks(drafts), np.stack(want))
+    assert [step_by_step.state, gate.state] == ["answer", "lead"] and (want[1] == -1).all()
+    np.testing.assert_array_equal(gate.allowed(), lead)
+    answering = AfterThinking(compiler.matcher(REPEATS), "lead", end, opener)
+    np.testing.assert_array_equal(answering.draft_masks(ids[:2]), compiler.matcher(REPEATS).draft_masks(ids[:2]))
+    for token in ids:
+        answering.consume(token)
+    assert answering.state == "answer" and answering.done

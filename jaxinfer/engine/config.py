@@ -10,6 +10,7 @@ from jaxinfer.kv.plan import kv_cache_choice
 from jaxinfer.kv.streaming import StreamingSpec
 from jaxinfer.model.layers import check_reads
 from jaxinfer.model.stacking import LAYER_LOOPS, WEIGHT_LAYOUTS
+from jaxinfer.reasoning import find_reasoning_parser
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
 
 
@@ -86,6 +87,10 @@ class EngineConfig:
     # from step n's output on the device; `step` returns step n's outputs (one step late). A
     # request that finishes at step n wastes its row of step n + 1. Plain decoding only.
     async_scheduling: bool = False
+    # A reasoning model's convention ("qwen3", "deepseek_r1": `jaxinfer.reasoning`, vLLM's
+    # `--reasoning-parser`): structured output leaves its <think>...</think> free and
+    # constrains the answer after it.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "prefill_chunk", "max_prefill_rows", "min_context_bucket"):
@@ -104,6 +109,7 @@ class EngineConfig:
                                  f"integers in [1, max_slots={self.max_slots}]")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"EngineConfig.async_scheduling={self.async_scheduling!r} must be True or False")
+        find_reasoning_parser(self.reasoning_parser)
         if self.attention_impl not in IMPLS:
             raise ValueError(f"EngineConfig.attention_impl={self.attention_impl!r} must be one of {IMPLS}")
         if self.weight_layouts not in WEIGHT_LAYOUTS:

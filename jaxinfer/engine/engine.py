@@ -51,6 +51,7 @@ from jaxinfer.model.row_layouts import choose_reads
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.penalties import PenaltyState, init_penalty_state, set_slot, slot_history
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
+from jaxinfer.reasoning import find_reasoning_parser
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.scoring import score_tokens
 from jaxinfer.speculative.checkpoint import load_trained_draft
@@ -61,7 +62,8 @@ from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH, EagleHead, load_eagle
 from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
 from jaxinfer.step import PrefillBatch, StepBatch, engine_step, feed_decode_tokens, step_logits, step_logprobs
-from jaxinfer.structured_output import GrammarCompiler, allow_all
+from jaxinfer.structured_output import (AfterThinking, GrammarCompiler, GrammarMatcher, StructuredOutputsParams,
+                                       allow_all)
 
 
 logger = logging.getLogger(__name__)
@@ -307,7 +309,7 @@ class Engine:
             self._check_penalties(params)
         matcher = None
         if params.structured_outputs is not None:  # a fresh matcher per request: it follows the request's tokens
-            matcher = self._grammar_compiler().matcher(params.structured_outputs)
+            matcher = self._matcher(params.structured_outputs, ids)
         if params.max_tokens is None:  # the rest of the context
             if len(ids) >= self.max_model_len:
                 raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
@@ -359,6 +361,18 @@ class Engine:
             mc = self.model.config
             self._grammars = GrammarCompiler(self.model.tokenizer, mc.vocab_size, mc.eos_ids)
         return self._grammars
+
+    def _matcher(self, structured: StructuredOutputsParams, prompt: list[int]) -> GrammarMatcher | AfterThinking:
+        """The request's grammar; with a reasoning parser, from the end of its thinking."""
+        grammar = self._grammar_compiler().matcher(structured)
+        parser = find_reasoning_parser(self.config.reasoning_parser)
+        if parser is None:
+            return grammar
+        state = parser.opening(self.model.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
+        opener, end = parser.tag_ids(self.model.tokenizer)
+        if state == "lead" and len(opener) != 1:  # the model cannot open a thinking the grammar refuses
+            state = "answer"
+        return AfterThinking(grammar, state, end, opener[0] if len(opener) == 1 else None)
 
     def _peak_pages(self, tokens: int) -> int:
         """Most pages a request of `tokens` tokens holds at once: fewer than its length needs

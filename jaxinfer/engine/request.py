@@ -8,7 +8,7 @@ import time
 
 from jaxinfer.sampling import SamplingParams, TokenLogprobs
 from jaxinfer.speculative.config import SpeculativeStats
-from jaxinfer.structured_output import GrammarMatcher
+from jaxinfer.structured_output import AfterThinking, GrammarMatcher
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -125,7 +125,7 @@ class Request:
         self._hold = max((len(s) for s in params.stop), default=1) - 1  # chars a stop string may claim
         self._stopped_by_string = False
         self.ngram_index = None  # NgramIndex over prompt + generated, made by an n-gram speculating engine
-        self.matcher: GrammarMatcher | None = None  # structured output: where the output is in its grammar
+        self.matcher: GrammarMatcher | AfterThinking | None = None  # structured output: where the output is in its grammar
 
     @property
     def all_tokens(self) -> list[int]:

@@ -37,8 +37,8 @@ from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_lo
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
-from jaxinfer.server.reasoning import find_reasoning_parser
-from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, to_response
+from jaxinfer.reasoning import find_reasoning_parser
+from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, renamed, to_response
 from jaxinfer.server.tools import RequiredCalls, call_parser, parse_calls, tool_call
 
 T = TypeVar("T")
@@ -417,7 +417,15 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     choice = body.effective_tool_choice if body.calls_tools else None  # the answer is a constrained call
     required = choice == "required"  # a JSON array of calls, each streamed as it is written
     named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
-    reasoner = server.reasoning_parser if choice is None else None  # free text may think first
+    reasoner = server.reasoning_parser  # the model may think first, even before a constrained answer
+
+    def used(outs: list[list[int]]) -> dict:
+        """The usage of answers of these tokens (with their `reasoning_tokens`, given a parser)."""
+        use = usage(len(ids), sum(map(len, outs)))
+        if reasoner is None:
+            return use
+        counts = [reasoner.count(o, server.tokenizer) for o in outs]
+        return use | {"completion_tokens_details": {"reasoning_tokens": sum(counts)}}
 
     def thought(reasoning: str | None) -> dict:
         """The message's (or a delta's) reasoning fields, under vLLM's old and new names."""
@@ -434,13 +442,14 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             for i in range(len(rids)):
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}], running(len(ids), 0)))
-            generated, started = 0, [False] * len(rids)
+            generated, started, answers = 0, [False] * len(rids), [[] for _ in rids]
             # per choice, what reads calls in its text: "required" calls as they are written
             # (`RequiredCalls`), "auto" with a parser the calls among the content (`TextCalls`)
             readers = [RequiredCalls() if required else server.tool_call_parser() if parsed else None for _ in rids]
             thinkers = [reasoner.stream() if reasoner else None for _ in rids]
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
+                answers[index] += out.delta_token_ids
                 text, with_logprobs, reasoning = out.delta_text, bool(body.logprobs and out.delta_token_ids), None
                 if thinkers[index] is not None:
                     reasoning, text = thinkers[index].feed(text)
@@ -475,7 +484,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                                        "finish_reason": finish(out, called), "stop_reason": out.stop_reason}],
                                      running(len(ids), generated)))
             if body.include_usage:
-                yield _sse(chunk([], usage(len(ids), generated)))
+                yield _sse(chunk([], used(answers)))
             yield DONE
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
@@ -486,8 +495,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             return {"role": "assistant", "content": content} | thought(reasoning) | ({"tool_calls": calls} if calls else {}), calls
         if choice is None:
             return {"role": "assistant", "content": text if reasoner is None else text or None} | thought(reasoning), None
-        calls = parse_calls(out.text, choice)  # cut short: as far as written, as streamed
-        return {"role": "assistant", "content": None} | ({"tool_calls": calls} if calls else {}), calls
+        calls = parse_calls(text or "", choice)  # cut short: as far as written, as streamed
+        return {"role": "assistant", "content": None} | thought(reasoning) | ({"tool_calls": calls} if calls else {}), calls
 
     finals = await _collect(server, raw, sink, rids)
     choices = []
@@ -496,14 +505,17 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         choices.append({"index": i, "message": msg, "logprobs": logprobs(o, new_only=False),
                         "finish_reason": finish(o, (required or parsed) and bool(calls)), "stop_reason": o.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for _, o in finals))} | (
+            "choices": choices, "usage": used([list(o.token_ids) for _, o in finals])} | (
         {} if prompt_lps is None else {"prompt_logprobs": prompt_lps})
 
 
 async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):
     """OpenAI's Responses API, answered by the chat endpoint (`jaxinfer.server.responses`)."""
     chat = body.to_chat()
-    answer = await chat_completions(server, raw, chat)
+    try:
+        answer = await chat_completions(server, raw, chat)
+    except ErrorBody as e:  # in the response request's names
+        raise renamed(e) from None
     if not body.stream:
         return to_response(body, answer)
     events = ResponseEvents(body, server.check_model(chat))

@@ -213,6 +213,10 @@ class ChatMessage(Body):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's answer: to which call
     name: str | None = None
+    # an assistant's earlier thinking (vLLM takes both names); templates that keep the latest
+    # thinking (Qwen3's, between tool calls) read `reasoning_content`
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -225,6 +229,8 @@ class ChatMessage(Body):
     def template_fields(self) -> dict[str, Any]:
         """The message as the chat template reads it (`jaxinfer.server.tools.template_message`)."""
         extra = {key: value for key in ("tool_calls", "tool_call_id", "name") if (value := getattr(self, key)) is not None}
+        if (thinking := self.reasoning_content or self.reasoning) is not None:
+            extra["reasoning_content"] = thinking
         return template_message({"role": self.role, "content": self.text()} | extra)
 
     def text(self) -> str:

@@ -15,6 +15,7 @@ conversation in `input`, as stateless clients do.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -91,36 +92,41 @@ class ResponsesRequest(Body):
             return ChatCompletionRequest.model_validate(chat)
         except ValidationError as e:
             first = e.errors()[0]
-            field = str(first["loc"][0]) if first.get("loc") else None  # chat's name -> Responses'
-            param = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                     "response_format": "text.format"}.get(field, field)
-            raise ErrorBody(400, f"{param}: {first.get('msg')}", param=param) from None
+            field = str(first["loc"][0]) if first.get("loc") else None
+            raise renamed(ErrorBody(400, f"{field}: {first.get('msg')}", param=field)) from None
 
     def _messages(self) -> list[dict[str, Any]]:
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         if isinstance(self.input, str):
             return messages + [{"role": "user", "content": self.input}]
+        thinking: dict[str, str] = {}  # a reasoning item's text, for the assistant turn after it
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
-                messages.append({"role": item.get("role"), "content": _text(item.get("content"), f"input.{i}.content")})
+                role = item.get("role")
+                messages.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")}
+                                | (thinking if role == "assistant" else {}))
+                thinking = {}
+            elif kind == "reasoning":  # an earlier answer's thinking, sent back as clients do
+                thinking = {"reasoning_content": _reasoning_text(item, f"input.{i}")}
             elif kind == "function_call":  # an earlier call: joins the assistant message before it, if any
                 if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                     raise ErrorBody(400, f"input.{i}: a function_call needs its name and call_id", param=f"input.{i}")
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last and not thinking:
                     last["tool_calls"].append(call)
                 else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]} | thinking)
+                thinking = {}
             elif kind == "function_call_output":
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                                  "content": output if isinstance(output, str) else json.dumps(output)})
             else:
-                raise ErrorBody(400, f"input.{i}: items of type {kind!r} are not supported (message, function_call, "
-                                     "function_call_output are)", param=f"input.{i}.type")
+                raise ErrorBody(400, f"input.{i}: items of type {kind!r} are not supported (message, reasoning, "
+                                     "function_call, function_call_output are)", param=f"input.{i}.type")
         return messages
 
     @staticmethod
@@ -153,9 +159,31 @@ def _text(content: Any, param: str) -> str | None:
     return "".join(texts)
 
 
-def usage(chat_usage: dict[str, int]) -> dict[str, Any]:
+# chat's field names -> Responses'
+RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                   "response_format": "text.format"}
+
+
+def renamed(error: ErrorBody) -> ErrorBody:
+    """A chat request's error in the names of the response request it came from."""
+    message = re.sub(r"\b(" + "|".join(RESPONSES_NAMES) + r")\b", lambda m: RESPONSES_NAMES[m.group(1)], error.message)
+    param = RESPONSES_NAMES.get(error.param, error.param)
+    return ErrorBody(error.status, message, param, error.code, error.err_type, error.headers)
+
+
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its `reasoning_text` content, else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise ErrorBody(400, f"{param}: a reasoning item's content and summary are lists of {{'type', 'text'}} parts",
+                        param=param)
+    return "".join(p["text"] for p in parts)
+
+
+def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    reasoning = chat_usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
     return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": chat_usage["total_tokens"]}
 
 

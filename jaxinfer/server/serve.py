@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import sys
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from jaxinfer.engine import Engine, EngineConfig
 from jaxinfer.loading import Model
 from jaxinfer.server.app import OpenAIServer, check_generation_config, create_app
 from jaxinfer.server.loop import EngineLoop
-from jaxinfer.server.reasoning import find_reasoning_parser
+from jaxinfer.reasoning import find_reasoning_parser
 from jaxinfer.server.tools import call_parser
 
 
@@ -30,7 +31,8 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
     The programs of requests with penalties, a logit bias or a grammar (structured output, tool
     calls) compile last. `allowed_origins`: the web pages (CORS origins) whose scripts may call
     the API, every one by default (vLLM's default). `reasoning_parser` ("qwen3", "deepseek_r1"):
-    a chat answer's thinking comes back as `reasoning_content` (`jaxinfer.server.reasoning`).
+    a chat answer's thinking comes back as `reasoning_content`, and structured output constrains
+    only the answer after it (`jaxinfer.reasoning`; the engine config's, if it names one).
     `generation_config` (vLLM's flag): "auto" takes the sampling defaults of requests that leave
     them out from the model's generation_config.json, "vllm" keeps the API's, a directory reads
     its generation_config.json."""
@@ -39,7 +41,11 @@ def build_server(model: Model, engine_config: EngineConfig, model_name: str | Se
     call_parser(tool_call_parser)  # refused before the engine is built
     find_reasoning_parser(reasoning_parser)
     check_generation_config(generation_config)
-    engine = Engine(model, engine_config)
+    if None not in (reasoning_parser, engine_config.reasoning_parser) and reasoning_parser != engine_config.reasoning_parser:
+        raise ValueError(f"reasoning_parser={reasoning_parser!r} differs from the engine config's "
+                         f"{engine_config.reasoning_parser!r}")
+    reasoning_parser = reasoning_parser or engine_config.reasoning_parser
+    engine = Engine(model, dataclasses.replace(engine_config, reasoning_parser=reasoning_parser))
     if warmup:
         engine.start_warmup(penalized=True, logprobs=True)
     return OpenAIServer(EngineLoop(engine, engine_config.max_slots + max_queue), model_name, api_key, tool_call_parser,

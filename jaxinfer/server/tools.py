@@ -16,6 +16,8 @@ import json
 import uuid
 from typing import Any
 
+from jaxinfer.reasoning import partial_suffix
+
 
 FREE_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function that declares no parameters
 
@@ -328,8 +330,3 @@ def call_parser(name: str | None) -> type[TextCalls] | None:
     if name is not None and name not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser={name!r}: the parsers are {', '.join(TOOL_CALL_PARSERS)}")
     return None if name is None else TOOL_CALL_PARSERS[name]
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (kept back while streaming)."""
-    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
