@@ -29,6 +29,18 @@ class Llama3RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (HF `rope_type="linear"`): every frequency divided by `factor`
+    (Llama 2 long-context fine-tunes; Gemma 3 4B+ on its global layers)."""
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0:
+            raise ValueError(f"LinearRopeScaling needs factor > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
 class YarnRopeScaling:
     """YaRN RoPE scaling (HF `rope_type="yarn"`, gpt-oss): frequencies between the `beta_fast`
     and `beta_slow` rotation counts over `original_max_position` are blended from the base
@@ -51,6 +63,9 @@ class YarnRopeScaling:
         if self.attention_factor is not None:
             return self.attention_factor
         return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +161,7 @@ class ModelConfig:
     head_dim: int
     ffn_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | YarnRopeScaling | None = None
+    rope_scaling: RopeScaling | None = None
     rms_eps: float = 1e-5
     max_position: int = 2048
     tie_embeddings: bool = False
@@ -258,7 +273,9 @@ class ModelConfig:
         fields = json.loads(text)
         if fields.get("rope_scaling") is not None:
             scaling = fields["rope_scaling"]
-            fields["rope_scaling"] = (YarnRopeScaling if "beta_fast" in scaling else Llama3RopeScaling)(**scaling)
+            kind = (YarnRopeScaling if "beta_fast" in scaling else Llama3RopeScaling if "low_freq_factor" in scaling
+                    else LinearRopeScaling)
+            fields["rope_scaling"] = kind(**scaling)
         fields["eos_ids"] = tuple(fields.get("eos_ids", ()))
         fields["layer_windows"] = tuple(fields.get("layer_windows", ()))
         if fields.get("mla") is not None:

@@ -22,7 +22,7 @@ import safetensors.numpy
 
 from jaxinfer.checkpoint import CheckpointError, load_checkpoint, load_gguf, load_hf_dir, load_orbax, save_orbax
 from jaxinfer.checkpoint.orbax_io import save_tokenizer
-from jaxinfer.config import Llama3RopeScaling, ModelConfig, MoEConfig
+from jaxinfer.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, MoEConfig
 from jaxinfer.model.params import ModelParams, init_random_params
 from jaxinfer.tokenizer import Tokenizer
 
@@ -280,6 +280,18 @@ def test_hf_rope_theta_default_and_head_dim_derived(llama_dir, tmp_path):
     assert (config.head_dim, config.rope_theta, config.rope_scaling) == (8, 1234.0, None)
 
 
+def test_hf_null_optional_fields_read_as_absent(llama_dir, tmp_path):
+    """An optional field written as null means its default, as transformers reads it (a tied
+    embedding decided by whether `lm_head.weight` is stored), not a TypeError."""
+    directory = copy_of(llama_dir, tmp_path)
+    hf = json.loads((directory / "config.json").read_text())
+    nulls = {"rope_theta": None, "rms_norm_eps": None, "tie_word_embeddings": None, "hidden_act": None}
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "rope_parameters"} | nulls))
+    config, params = load_hf_dir(directory)
+    assert (config.rope_theta, config.rms_eps, config.tie_embeddings) == (10000.0, 1e-6, False)
+    assert params.lm_head is not None
+
+
 def rewrite_config(directory: Path, **changes) -> None:
     hf = json.loads((directory / "config.json").read_text())
     hf = {k: v for k, v in (hf | changes).items() if v is not None}
@@ -337,8 +349,8 @@ def test_hf_config_with_fewer_layers_than_the_weights_warns(llama_dir, tmp_path)
     directory = copy_of(llama_dir, tmp_path)
     stored = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
     rewrite_config(directory, num_hidden_layers=stored - 1)
-    with pytest.warns(UserWarning, match=f"not used by its config.*layers up to {stored - 1} but config.json has "
-                                         f"num_hidden_layers={stored - 1}"):
+    with pytest.warns(UserWarning, match=f"not used by its config.*the weights hold {stored} layers but config.json "
+                                         f"has num_hidden_layers={stored - 1}, so only the first {stored - 1} run"):
         config, _ = load_hf_dir(directory)
     assert config.n_layers == stored - 1
 
@@ -371,7 +383,7 @@ def tiny_config(arch: str = "llama", **changes) -> ModelConfig:
 
 def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], *, arch: str | None = None,
                skip: tuple[str, ...] = (), rope_freqs: np.ndarray | None = None,
-               qtype: gguf.GGMLQuantizationType | None = None) -> Path:
+               qtype: gguf.GGMLQuantizationType | None = None, linear_rope: float | None = None) -> Path:
     """Write `weights` (our names, HF layout) the way llama.cpp's converter would: llama q/k
     rows permuted, ggml names, experts stacked [E, out, in] per matrix, f32 (matrices in
     `qtype` if given). `skip` leaves out metadata fields or tensors by name."""
@@ -389,6 +401,9 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], 
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_eps)
+    if linear_rope is not None:  # llama.cpp's keys for linear RoPE scaling
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", linear_rope)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(TINY_TOKENS)
@@ -468,6 +483,14 @@ def test_gguf_llama3_rope_freqs(tmp_path):
     loaded, _ = load_gguf(path)
     assert loaded.rope_scaling == Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                     original_max_position=8192)
+
+
+def test_gguf_linear_rope_scaling(tmp_path):
+    config = tiny_config()
+    path = write_gguf(tmp_path / "tiny.gguf", config, flat(init_random_params(config)), linear_rope=4.0)
+    loaded, _ = load_gguf(path)
+    assert loaded.rope_scaling == LinearRopeScaling(4.0)
+    assert ModelConfig.from_json(loaded.to_json()) == loaded  # as `jaxinfer convert` keeps it
 
 
 def test_gguf_rope_freqs_of_unknown_parameters_rejected(tmp_path):

@@ -28,6 +28,10 @@ VARIANTS = {  # family, config changes, layer_windows the loader must read
                (8, 8, None, 8)),
     "gemma3-softcap-untied": ("Gemma3", dict(num_hidden_layers=3, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
                                              tie_word_embeddings=False, sliding_window_pattern=3), (8, 8, None)),
+    # Gemma 3 4B+: linear RoPE scaling on the global layers, none on the local ones
+    "gemma3-linear-global": ("Gemma3", dict(num_hidden_layers=3, sliding_window_pattern=3, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}), (8, 8, None)),
     "gemma2": ("Gemma2", dict(num_hidden_layers=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
                (8, None, 8, None)),
 }
@@ -57,7 +61,8 @@ def test_gemma_logits_and_greedy_match_transformers(tmp_path, variant):
     assert (c.arch, c.layer_windows, c.query_scale) == (family.lower(), windows, 24 ** -0.5)
     attn_cap = None if family == "Gemma3" else changes.get("attn_logit_softcapping")  # HF's Gemma 3 ignores it
     assert (c.attn_softcap, c.final_softcap) == (attn_cap, changes.get("final_logit_softcapping"))
-    assert c.rope_local_theta == (10000.0 if family == "Gemma3" else None)
+    local = changes.get("rope_parameters", {}).get("sliding_attention", {}).get("rope_theta", 10000.0)
+    assert c.rope_local_theta == (local if family == "Gemma3" else None)
     tokens = np.random.default_rng(1).integers(0, 211, (2, 40)).astype(np.int32)  # 40 tokens: 5 windows of 8
     assert_matches_transformers(hf, ours, tokens, 6, 24)  # decode: 30 tokens, past 3 windows
 
@@ -110,3 +115,58 @@ def test_learned_sinks_and_soft_caps_reach_the_attention():
     assert np.abs(logits(sinky, 0.0) - want).max() > 1e-2
     np.testing.assert_allclose(logits(sinky.replace(final_softcap=0.5), -1e9), 0.5 * np.tanh(want / 0.5), atol=1e-5, rtol=0)
     assert np.abs(logits(sinky.replace(attn_softcap=0.1), -1e9) - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, layout):
+    """A `Gemma3ForConditionalGeneration` directory (Gemma 3 4B+: the text model under
+    `language_model.model.` as released and as transformers 5 saves it, or under
+    `model.language_model.` as transformers 4.5x did; a vision tower beside it) loads its
+    language model: transformers' logits and greedy tokens for text, and no warning about the
+    vision tensors."""
+    import warnings
+
+    import safetensors.numpy
+    import transformers
+
+    family, changes, windows = VARIANTS["gemma3-linear-global"]
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=BASE | changes, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=210, boi_token_index=208, eoi_token_index=209)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and "language_model" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    if layout == "model.language_model.":
+        stored = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+        safetensors.numpy.save_file({k.replace("language_model.model.", layout): v for k, v in stored.items()},
+                                    tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing about unused tensors
+        ours = load_model(tmp_path)
+    assert (ours.config.arch, ours.config.layer_windows) == ("gemma3", windows)
+    tokens = np.random.default_rng(1).integers(0, 200, (2, 40)).astype(np.int32)  # below the image tokens
+    assert_matches_transformers(hf, ours, tokens, 6, 24)
+
+
+def test_gemma3_4b_config_reads_transformers_defaults(tmp_path):
+    """The released Gemma 3 4B config lists only what differs from transformers' defaults in
+    its `text_config`; the rest (heads, head_dim, RoPE bases, window pattern) are those defaults."""
+    from jaxinfer.checkpoint.hf_loader import _text_model, config_from_hf
+    from jaxinfer.config import LinearRopeScaling
+
+    released = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+                "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                "sliding_window": 1024}}
+    text, _ = _text_model(released, {}, tmp_path / "config.json")
+    c = config_from_hf(text, tmp_path / "config.json", has_lm_head=False)
+    assert (c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size) == (2560, 34, 8, 4, 256, 262208)
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling) == (1e6, 10000.0, LinearRopeScaling(8.0))
+    assert c.layer_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    assert (c.eos_ids, c.tie_embeddings, c.query_scale) == ((1, 106), True, 256 ** -0.5)

@@ -1,6 +1,6 @@
 """Attention variants against HF transformers (CPU torch, f32): sliding window (Mistral, every
 layer), interleaved local/global layers (Qwen2 `layer_types`), QK norms with a head_dim of its
-own and biases on all four projections (Qwen3), mixtures of experts (Mixtral; Qwen3-MoE with and
+own and biases on all four projections (Qwen3), linear RoPE scaling (Llama), mixtures of experts (Mixtral; Qwen3-MoE with and
 without renormalised top-k weights), DeepSeek-V3 MLA (dense MLP). Norm weights and biases are
 randomised (HF initialises them to 1 and 0, which would hide a missing or misread one)."""
 
@@ -28,6 +28,8 @@ VARIANTS = {
                                          sliding_window=8, max_window_layers=2,
                                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                           "original_max_position_embeddings": 32})),
+    "llama-linear-rope": ("Llama", dict(num_key_value_heads=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                          "factor": 4.0})),
     "mixtral-moe": ("Mixtral", dict(num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2, sliding_window=16)),
     "qwen3-moe": ("Qwen3Moe", dict(num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
                                    moe_intermediate_size=40, norm_topk_prob=True)),
@@ -46,6 +48,7 @@ EXPECTED = {  # layer_windows the loader must read
     "qwen2-interleaved": (None, 8, None, 8),
     "qwen3-qk-norm-bias": (),
     "qwen3-yarn-windows": (None, None, 8, 8),
+    "llama-linear-rope": (),
     "mixtral-moe": (16, 16, 16),
     "qwen3-moe": (),
     "qwen3-moe-unnormalized": (),

@@ -89,11 +89,16 @@ def test_one_cache_file_per_dtype_holding_that_dtype(q_gguf, cache):
     assert len(cache_files(cache)) == 2 and bf16 < 0.6 * f32
 
 
-def test_a_changed_source_file_rebuilds_the_cache(q_gguf, cache, monkeypatch):
+@pytest.mark.parametrize("mtime", ["newer", "kept"])
+def test_a_changed_source_file_rebuilds_the_cache(q_gguf, cache, monkeypatch, mtime):
+    """Another file of the same size at the same path, with a newer mtime or the old one kept
+    (as `cp -p`, `rsync -t` or `tar x` leave it)."""
     load_gguf(q_gguf, weight_cache=True)
+    before = q_gguf.stat()
     write_quantized(q_gguf, seed=1)  # same path, same size, new weights
-    stat = q_gguf.stat()
-    os.utime(q_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # even on a coarse clock
+    assert q_gguf.stat().st_size == before.st_size
+    shift = 10**9 if mtime == "newer" else 0  # newer: even on a coarse clock
+    os.utime(q_gguf, ns=(before.st_atime_ns, before.st_mtime_ns + shift))
     fresh = load_gguf(q_gguf, weight_cache=False)[1]
     assert_bit_identical(load_gguf(q_gguf, weight_cache=True)[1], fresh)
     assert len(cache_files(cache)) == 1  # the stale file was replaced, not kept beside

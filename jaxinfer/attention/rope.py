@@ -7,14 +7,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import Llama3RopeScaling, YarnRopeScaling
+from jaxinfer.config import LinearRopeScaling, RopeScaling, YarnRopeScaling
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | YarnRopeScaling | None) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
     """f32[head_dim // 2]: the rotation frequency of each pair of channels."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     if isinstance(scaling, YarnRopeScaling):
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band

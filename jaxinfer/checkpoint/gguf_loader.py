@@ -30,7 +30,7 @@ import numpy as np
 from jaxinfer.checkpoint import progress as progress_bar
 from jaxinfer.checkpoint import weight_cache as cache
 from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
-from jaxinfer.config import SUPPORTED_DTYPES, Llama3RopeScaling, ModelConfig, MoEConfig
+from jaxinfer.config import SUPPORTED_DTYPES, LinearRopeScaling, Llama3RopeScaling, ModelConfig, MoEConfig
 from jaxinfer.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from jaxinfer.model.params import ModelParams, build_params
 
@@ -279,14 +279,19 @@ def llama3_rope_divisors(scaling: Llama3RopeScaling, theta: float, head_dim: int
     return np.array(divisors)
 
 
-def _rope_scaling(meta, tensors, arch, theta, head_dim, path) -> Llama3RopeScaling | None:
-    """RoPE scaling of a GGUF file: none, or Llama 3 style stored as `rope_freqs.weight`.
+def _rope_scaling(meta, tensors, arch, theta, head_dim, path) -> Llama3RopeScaling | LinearRopeScaling | None:
+    """RoPE scaling of a GGUF file: none, linear (`rope.scaling.type` "linear" with its
+    `rope.scaling.factor`; on Gemma 3 the global layers only, as in llama.cpp), or Llama 3
+    style stored as `rope_freqs.weight`.
 
     The file keeps only the divisors, not HF's parameters. We take `factor` = the largest
     divisor, assume the values every released Llama 3.x uses for the rest (low 1, high 4,
     original context 8192), and accept them only if they reproduce the stored divisors.
     """
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear" and "rope_freqs.weight" not in tensors:
+        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+        return None if factor == 1.0 else LinearRopeScaling(factor)
     if scaling_type != "none":
         raise CheckpointError(f"{path}: unsupported RoPE scaling {arch}.rope.scaling.type={scaling_type!r}")
     if "rope_freqs.weight" not in tensors:

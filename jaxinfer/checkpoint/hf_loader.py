@@ -24,8 +24,8 @@ import numpy as np
 import safetensors
 
 from jaxinfer.checkpoint.errors import CheckpointError, as_checkpoint_error
-from jaxinfer.config import (GEMMA_ARCHITECTURES, SUPPORTED_DTYPES, Llama3RopeScaling, MLAConfig, ModelConfig, MoEConfig,
-                             YarnRopeScaling)
+from jaxinfer.config import (GEMMA_ARCHITECTURES, SUPPORTED_DTYPES, LinearRopeScaling, Llama3RopeScaling, MLAConfig,
+                             ModelConfig, MoEConfig, RopeScaling, YarnRopeScaling)
 from jaxinfer.model.params import ModelParams, build_params
 
 # HF `architectures[0]` -> our `ModelConfig.arch`.
@@ -122,15 +122,16 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
     MLP a mixture of experts), DeepseekV3ForCausalLM
     with dense MLP layers only (`first_k_dense_replace >= num_hidden_layers`), and
     Gemma2ForCausalLM / Gemma3ForCausalLM (text; their `(1 + w)` norm weights are stored
-    as `1 + w`, see `ModelConfig`), and GptOssForCausalLM with dequantized weights (attention
+    as `1 + w`, see `ModelConfig`) and the language model of Gemma3ForConditionalGeneration
+    (Gemma 3 4B+; `_text_model`), and GptOssForCausalLM with dequantized weights (attention
     biases and sinks, a mixture of experts, YaRN RoPE; not the MXFP4 release files). Raises
     `CheckpointError` naming the file and the field or tensor for anything it cannot load.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {SUPPORTED_DTYPES}")
     path = Path(path)
-    weight_map = _weight_map(path)
-    hf = _read_json(path / "config.json")
+    hf, stored_names = _text_model(_read_json(path / "config.json"), _weight_map(path), path / "config.json")
+    weight_map = {name: file for name, (_, file) in stored_names.items()}
     config = config_from_hf(hf, path / "config.json", has_lm_head="lm_head.weight" in weight_map)
     config = config.replace(eos_ids=_merge_eos(config.eos_ids, path), dtype=dtype)
 
@@ -143,16 +144,17 @@ def load_hf_dir(path: str | os.PathLike, dtype: str = "float32", place=None) -> 
             if tensor_name not in weight_map:
                 raise CheckpointError(f"{path}: missing tensor {tensor_name!r}")
             read.add(tensor_name)
-            file = path / weight_map[tensor_name]
+            name, file = stored_names[tensor_name]
+            file = path / file
             if file not in handles:
                 handles[file] = stack.enter_context(_safe_open(file))
             try:
-                stored_shape = tuple(handles[file].get_slice(tensor_name).get_shape())
+                stored_shape = tuple(handles[file].get_slice(name).get_shape())
                 if stored_shape != shape:
-                    raise CheckpointError(f"{file}: tensor {tensor_name!r} has shape {stored_shape}, expected {shape}")
-                return handles[file].get_tensor(tensor_name)
+                    raise CheckpointError(f"{file}: tensor {name!r} has shape {stored_shape}, expected {shape}")
+                return handles[file].get_tensor(name)
             except safetensors.SafetensorError as error:
-                raise CheckpointError(f"{file}: tensor {tensor_name!r}: {error}") from error
+                raise CheckpointError(f"{file}: tensor {name!r}: {error}") from error
 
         def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
             if config.arch in _EXPERT_TENSORS and name.endswith(("moe_gate_up", "moe_down")):
@@ -185,7 +187,8 @@ def _warn_unused(path: Path, config: ModelConfig, unused: set[str]) -> None:
     if not unused:
         return
     layers = {int(m.group(1)) for name in unused if (m := re.match(r"model\.layers\.(\d+)\.", name))}
-    hint = (f"; the weights hold layers up to {max(layers)} but config.json has num_hidden_layers={config.n_layers}"
+    hint = (f"; the weights hold {max(layers) + 1} layers but config.json has num_hidden_layers={config.n_layers}, "
+            f"so only the first {config.n_layers} run"
             if layers and min(layers) >= config.n_layers else "")
     names = sorted(unused)
     warnings.warn(f"{path}: {len(names)} tensors are not used by its config ({', '.join(names[:3])}"
@@ -198,7 +201,7 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
     archs = hf.get("architectures") or []
     if not archs or archs[0] not in ARCHITECTURES:
         raise CheckpointError(
-            f"{file}: unsupported architecture architectures={archs!r}; supported: {sorted(ARCHITECTURES)}"
+            f"{file}: unsupported architecture architectures={archs!r}; supported: {sorted(ARCHITECTURES | _MULTIMODAL)}"
         )
     arch = ARCHITECTURES[archs[0]]
 
@@ -211,7 +214,7 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
     mla = _mla_config(hf, file) if arch == "deepseek_v3" else None
     gemma, gpt_oss = arch in GEMMA_ARCHITECTURES, arch == "gpt_oss"
     # biases on q/k/v and o: gpt-oss's and Qwen3's `attention_bias` (defaults True / False)
-    out_bias = ((gpt_oss and bool(hf.get("attention_bias", True)))
+    out_bias = ((gpt_oss and bool(_optional(hf, "attention_bias", True)))
                 or (arch in ("qwen3", "qwen3_moe") and bool(hf.get("attention_bias"))))
     with as_checkpoint_error(file):
         return ModelConfig(
@@ -223,11 +226,11 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             n_kv_heads=n_heads if mla else int(hf.get("num_key_value_heads") or n_heads),
             head_dim=mla.qk_head_dim if mla else int(hf.get("head_dim") or field("hidden_size") // n_heads),
             ffn_dim=int(field("intermediate_size")),
-            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(_optional(hf, "rope_theta", _optional(rope, "rope_theta", 10000.0))),
             rope_scaling=_rope_scaling(rope, arch, file),
-            rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_eps=float(_optional(hf, "rms_norm_eps", 1e-6)),
             max_position=int(field("max_position_embeddings")),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", not has_lm_head)),
+            tie_embeddings=bool(_optional(hf, "tie_word_embeddings", not has_lm_head)),
             attn_bias=arch == "qwen2" or out_bias,  # Qwen2: q/k/v only, always
             attn_out_bias=out_bias,
             attn_sinks=gpt_oss,
@@ -242,6 +245,11 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             attn_softcap=None if arch == "gemma3" else _optional_float(hf, "attn_logit_softcapping"),
             final_softcap=_optional_float(hf, "final_logit_softcapping"),
         )
+
+
+def _optional(hf: dict[str, Any], key: str, default: Any) -> Any:
+    """`hf[key]`, or `default` where it is absent or null (as transformers reads a null)."""
+    return default if hf.get(key) is None else hf[key]
 
 
 def _required(hf: dict[str, Any], key: str, file: Path) -> Any:
@@ -267,7 +275,7 @@ def _moe_config(hf: dict[str, Any], arch: str, file: Path) -> MoEConfig:
             return MoEConfig(n_experts=n_experts, experts_per_token=per_token, expert_dim=width, activation="swiglu",
                              bias=False, normalize_weights=arch == "mixtral" or bool(hf.get("norm_topk_prob", False)))
         return MoEConfig(n_experts=n_experts, experts_per_token=per_token, expert_dim=width,
-                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+                         swiglu_alpha=float(_optional(hf, "swiglu_alpha", 1.702)), swiglu_limit=float(_optional(hf, "swiglu_limit", 7.0)))
 
 
 def _optional_float(hf: dict[str, Any], key: str) -> float | None:
@@ -282,7 +290,7 @@ def _layer_windows(hf: dict[str, Any], arch: str, n_layers: int, file: Path) -> 
     if arch in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = None  # Qwen2/3 ignore sliding_window unless use_sliding_window (HF Qwen2Config, Qwen3Config)
     if types is None and window and arch in ("qwen2", "qwen3", "qwen3_moe"):  # older configs, as transformers reads them
-        first = int(hf.get("max_window_layers", 28))
+        first = int(_optional(hf, "max_window_layers", 28))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
     if types is None and arch in GEMMA_ARCHITECTURES:  # older configs: every `pattern`-th layer is global
         pattern = int(hf.get("sliding_window_pattern") or (6 if arch == "gemma3" else 2))
@@ -316,7 +324,7 @@ def _deinterleave_rope(config: ModelConfig, hf: dict[str, Any], name: str, tenso
     that produce rope channels to (0, 2, 4, ..., 1, 3, 5, ...) so the rotate-half RoPE of
     `apply_rope` gives the same dot products (HF `apply_rotary_pos_emb_interleave`)."""
     field = name.rsplit(".", 1)[-1]
-    if config.mla is None or not hf.get("rope_interleave", True) or field not in ("wq", "wq_b", "wkv_a"):
+    if config.mla is None or not _optional(hf, "rope_interleave", True) or field not in ("wq", "wq_b", "wkv_a"):
         return tensor
     m = config.mla
     order = np.concatenate([np.arange(0, m.qk_rope_dim, 2), np.arange(1, m.qk_rope_dim, 2)])
@@ -336,7 +344,7 @@ def _reject_unsupported(hf: dict[str, Any], arch: str, file: Path) -> None:
         if hf.get("use_bidirectional_attention"):
             raise CheckpointError(f"{file}: unsupported config field use_bidirectional_attention=true (a decoder needs "
                                   "causal attention)")
-    elif hf.get("hidden_act", "silu") != "silu":
+    elif _optional(hf, "hidden_act", "silu") != "silu":
         raise CheckpointError(f"{file}: unsupported config field hidden_act={hf['hidden_act']!r} (need 'silu')")
     for key in ("attention_bias", "mlp_bias"):  # Llama's switches; they also add o_proj/down biases
         if not (arch in ("qwen2", "gpt_oss") or (arch in ("qwen3", "qwen3_moe") and key == "attention_bias")) and hf.get(key):
@@ -357,12 +365,12 @@ def _rope_dict(hf: dict[str, Any], arch: str, file: Path) -> tuple[dict[str, Any
     if arch != "gemma3":
         return rope, None
     if "full_attention" not in rope:
-        return rope, float(hf.get("rope_local_base_freq", 10000.0))
+        return rope, float(_optional(hf, "rope_local_base_freq", 10000.0))
     local = rope.get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise CheckpointError(f"{file}: unsupported RoPE scaling of the sliding layers "
                               f"rope_parameters.sliding_attention={local!r}")
-    return rope["full_attention"], float(local.get("rope_theta", 10000.0))
+    return rope["full_attention"], float(_optional(local, "rope_theta", 10000.0))
 
 
 # HF's YaRN as gpt-oss and the Llama / Qwen families use it (DeepSeek's also rescales the softmax by
@@ -370,7 +378,7 @@ def _rope_dict(hf: dict[str, Any], arch: str, file: Path) -> tuple[dict[str, Any
 _YARN_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 
 
-def _rope_scaling(rope: dict[str, Any], arch: str, file: Path) -> Llama3RopeScaling | YarnRopeScaling | None:
+def _rope_scaling(rope: dict[str, Any], arch: str, file: Path) -> RopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return None
@@ -384,8 +392,14 @@ def _rope_scaling(rope: dict[str, Any], arch: str, file: Path) -> Llama3RopeScal
                                beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
                                truncate=bool(rope.get("truncate", True)),
                                attention_factor=None if rope.get("attention_factor") is None else float(rope["attention_factor"]))
+    if rope_type == "linear":
+        if rope.get("factor") is None:
+            raise CheckpointError(f"{file}: linear RoPE scaling is missing config field 'factor'")
+        return LinearRopeScaling(factor=float(rope["factor"]))
     if rope_type != "llama3":
         also = f" (yarn: for {', '.join(_YARN_ARCHITECTURES)})" if rope_type == "yarn" else ""
+        also += " (dynamic NTK scaling changes a sequence's frequencies as it grows: its cached keys would go stale)" \
+            if rope_type == "dynamic" else ""
         raise CheckpointError(f"{file}: unsupported RoPE scaling rope_type={rope_type!r}{also}")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     for key in keys:
@@ -411,6 +425,45 @@ def _merge_eos(eos_ids: tuple[int, ...], path: Path) -> tuple[int, ...]:
     gen_file = path / "generation_config.json"
     extra = _as_ids(_read_json(gen_file).get("eos_token_id")) if gen_file.is_file() else ()
     return tuple(dict.fromkeys(eos_ids + extra))
+
+
+# multimodal checkpoints whose text model is served: architectures[0] -> the text model's
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# transformers' Gemma3TextConfig defaults, which the released Gemma 3 4B+ configs leave out of
+# their `text_config`
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
+
+
+def _text_model(hf: dict[str, Any], weight_map: dict[str, str], file: Path
+                ) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """-> (the config of the text model, its tensors: our HF name -> (stored name, file)). A
+    multimodal checkpoint (Gemma 3 4B+: `Gemma3ForConditionalGeneration`) serves its language
+    model: `text_config` over transformers' defaults, the tensors under `language_model.`
+    (or `model.language_model.`, as transformers 4.5x saved them); the vision tower is not read."""
+    archs = hf.get("architectures") or []
+    if not archs or archs[0] not in _MULTIMODAL:
+        return hf, {name: (name, f) for name, f in weight_map.items()}
+    if not isinstance(hf.get("text_config"), dict):
+        raise CheckpointError(f"{file}: architectures={archs!r} needs a 'text_config'")
+    text = _GEMMA3_TEXT_DEFAULTS | hf["text_config"] | {k: hf[k] for k in ("eos_token_id", "bos_token_id") if k in hf}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if "rope_theta" not in hf["text_config"] and "rope_theta" in (rope.get("full_attention") or rope):
+        del text["rope_theta"]  # the default gives way to the base given inside the RoPE parameters
+    names = {}
+    for name, f in weight_map.items():
+        if name.startswith("language_model."):  # language_model.model.layers.0... -> model.layers.0...
+            names[name.removeprefix("language_model.")] = (name, f)
+        elif name.startswith("model.language_model."):
+            names["model." + name.removeprefix("model.language_model.")] = (name, f)
+        elif name == "lm_head.weight":
+            names[name] = (name, f)
+    return text | {"architectures": [_MULTIMODAL[archs[0]]]}, names
 
 
 def _weight_map(path: Path) -> dict[str, str]:

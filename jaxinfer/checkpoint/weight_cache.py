@@ -6,8 +6,9 @@ the requested dtype) as one safetensors file per source file and dtype:
     <cache>/weights/<stem>.<dtype>.<hash of the source's path>.safetensors
     cache = $JAXINFER_CACHE or ~/.cache/jaxinfer          (`jaxinfer.default_model.cache_dir`)
 
-The file's `__metadata__` records what it was made from (`cache_key`: the source's path, size and
-mtime, the dtype, the producing loader's version) and a crc32 of every tensor. A file whose record
+The file's `__metadata__` records what it was made from (`cache_key`: the source's path, size,
+mtime and a hash of its first and last MiB, so a same-sized file copied in with its old mtime is
+noticed; the dtype, the producing loader's version) and a crc32 of every tensor. A file whose record
 differs (stale), whose bytes fail their crc32 or that does not parse (corrupt) is rebuilt, never
 used. Files are written under a temporary name and renamed into place, so concurrent loads see a
 complete file or none. `JAXINFER_NO_WEIGHT_CACHE=1` turns the cache off (nothing read or written).
@@ -66,8 +67,18 @@ def cache_key(source: Path, dtype: str, producer: str) -> CacheKey:
     return CacheKey(
         file=cache_dir() / "weights" / f"{source.stem}.{dtype}.{path_hash}.safetensors",
         record={"format": _FORMAT, "source": str(source), "size": str(stat.st_size),
-                "mtime_ns": str(stat.st_mtime_ns), "dtype": dtype, "producer": producer},
+                "mtime_ns": str(stat.st_mtime_ns), "ends": _ends_hash(source), "dtype": dtype, "producer": producer},
     )
+
+
+def _ends_hash(source: Path, span: int = 1 << 20) -> str:
+    """sha256 of the file's first and last `span` bytes: its header and the last tensors' data."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as f:
+        digest.update(f.read(span))
+        f.seek(max(f.seek(0, os.SEEK_END) - span, 0))
+        digest.update(f.read(span))
+    return digest.hexdigest()[:16]
 
 
 @contextlib.contextmanager
