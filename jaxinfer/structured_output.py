@@ -125,6 +125,28 @@ class StructuredOutputsParams:
         return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
 
 
+def strict_schema(schema: Any) -> Any:
+    """OpenAI's strict mode (`"strict": true` on a function or a response format): every object
+    admits only the properties it declares unless it says otherwise (`additionalProperties`
+    unset reads as false). The schema is copied, not changed."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: strict_schema(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: strict_schema(sub) for name, sub in closed[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+# keywords whose value is a schema or a list of schemas
+_SUBSCHEMAS = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "additionalProperties", "if", "then",
+                         "else", "contains"})
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)

@@ -580,7 +580,7 @@ def test_responses_api(srv, client):
     chat = client.chat.completions.create(model=NAME, max_tokens=8, temperature=0, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
     r = client.responses.create(**kw)
-    assert r.output_text == chat.choices[0].message.content and r.id.startswith("resp")
+    assert r.output_text == chat.choices[0].message.content and r.id.startswith("resp_") and r.output[0].id.startswith("msg_")
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # chat: "length"
     assert r.output[0].status == "incomplete" and r.model_dump()["completed_at"] is None
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
@@ -590,7 +590,7 @@ def test_responses_api(srv, client):
     assert events[-1].type == "response.incomplete" and events[-1].response.output[0].content[0].text == r.output_text
     assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
-    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    assert [e.sequence_number for e in events] == list(range(len(events)))  # from 0, as OpenAI counts
     with client.responses.stream(**(kw | {"max_output_tokens": 20}), extra_body={"guided_choice": ["yes", "no"]}) as s:
         final = s.get_final_response()  # vLLM's extras pass through to the chat request
     assert final.status == "completed" and final.output_text in ("yes", "no") and final.output[0].status == "completed"

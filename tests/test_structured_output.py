@@ -363,3 +363,25 @@ def test_after_thinking_draft_masks_follow_the_states_and_move_nothing(model):
     for token in ids:
         answering.consume(token)
     assert answering.state == "answer" and answering.done
+
+
+def test_strict_schemas_admit_only_declared_properties(model):
+    """`strict_schema` (OpenAI's strict mode, for `"strict": true` functions and response
+    formats): an object that leaves `additionalProperties` unset admits only its declared
+    properties, nested ones too; the grammar refuses an extra key it would otherwise allow.
+    The caller's schema is not changed."""
+    from jaxinfer.structured_output import GrammarCompiler, strict_schema
+
+    schema = {"type": "object", "properties": {"unit": {"type": "string"},
+                                               "at": {"type": "object", "properties": {"h": {"type": "integer"}}}}}
+    original = json.loads(json.dumps(schema))
+    closed = strict_schema(schema)
+    assert schema == original and closed["additionalProperties"] is False
+    assert closed["properties"]["at"]["additionalProperties"] is False
+    assert strict_schema({"type": "object", "additionalProperties": True})["additionalProperties"] is True
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, model.config.eos_ids)
+    for text, declared, extra in (('{"unit":"c","tz":"UTC"}', '{"unit":"c"', "tz"), ('{"at":{"h":1,"m":2}}', '{"at":{"h":1', '"m')):
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        assert len(compiler.matcher(StructuredOutputsParams(json=schema)).draft_masks(ids)) == len(ids)
+        kept = model.tokenizer.decode(ids[: len(compiler.matcher(StructuredOutputsParams(json=closed)).draft_masks(ids))])
+        assert kept.startswith(declared) and extra not in kept, kept

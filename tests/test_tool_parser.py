@@ -139,3 +139,24 @@ def test_required_calls_cut_short_parse_as_they_stream(calls, data):
     whole = RequiredCalls.parse(text)
     assert all(c["function"]["name"] == w["function"]["name"] and w["function"]["arguments"].startswith(
         c["function"]["arguments"]) for c, w in zip(cut, whole)) and len(cut) <= len(whole)
+
+
+def test_strict_functions_and_formats_close_their_objects():
+    """`"strict": true` on a function (named or "required" calls) or on a response format's
+    json_schema closes the schema's objects (`strict_schema`); without it the schema is used
+    as sent."""
+    from jaxinfer.server.protocol import ChatCompletionRequest
+    from jaxinfer.server.tools import constraint
+
+    unit = {"type": "object", "properties": {"unit": {"type": "string"}}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for strict in (True, False, None):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": unit, "strict": strict}}]
+        req = ChatCompletionRequest.model_validate(body | {"tools": tools, "tool_choice": {"type": "function",
+                                                                                            "function": {"name": "f"}}})
+        named = constraint(req.tools, req.tool_choice, None)["json"]
+        required = constraint(req.tools, "required", None)["json"]["items"]["anyOf"][0]["properties"]["parameters"]
+        assert named.get("additionalProperties") == required.get("additionalProperties") == (False if strict else None)
+        fmt = {"type": "json_schema", "json_schema": {"name": "u", "schema": unit, "strict": strict}}
+        [params] = ChatCompletionRequest.model_validate(body | {"response_format": fmt}).sampling_params(8)
+        assert json.loads(params.structured_outputs.json).get("additionalProperties") == (False if strict else None)

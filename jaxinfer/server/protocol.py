@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 from jaxinfer.server.tools import check_tools, constraint, template_message
-from jaxinfer.structured_output import StructuredOutputsParams
+from jaxinfer.structured_output import StructuredOutputsParams, strict_schema
 
 
 class ErrorBody(Exception):
@@ -59,7 +59,7 @@ class JsonSchemaFormat(Body):
     name: str = "response"
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow pydantic's
-    strict: bool | None = None  # the output always follows the schema, strict or not
+    strict: bool | None = None  # true: objects admit only their declared properties (`strict_schema`)
 
 
 class ResponseFormat(Body):
@@ -142,7 +142,8 @@ class _Common(Body):
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
-            asked.append(("response_format", {"json": rf.json_schema.json_schema}))
+            schema = rf.json_schema.json_schema
+            asked.append(("response_format", {"json": strict_schema(schema) if rf.json_schema.strict else schema}))
         if self.structured_outputs is not None:
             asked.append(("structured_outputs", self.structured_outputs))
         for name in ("json", "regex", "choice", "grammar"):
@@ -264,7 +265,7 @@ class FunctionDefinition(Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None  # constrained calls always follow the schema
+    strict: bool | None = None  # true: objects admit only their declared properties (`strict_schema`)
 
 
 class ToolDefinition(Body):
@@ -342,8 +343,9 @@ class DetokenizeRequest(Body):
     skip_special_tokens: bool = False  # as transformers' decode: `<|im_start|>` and the like stay
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """An id as OpenAI writes it: "chatcmpl-..." (chat, completions), "resp_..." (Responses: sep "_")."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def now() -> int:

@@ -225,12 +225,12 @@ def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[s
     choice = completion["choices"][0]
     message, output, status = choice["message"], [], item_status(choice["finish_reason"])
     if message.get("reasoning_content"):
-        output.append(reasoning_item(new_id("rs"), message["reasoning_content"], status))
+        output.append(reasoning_item(new_id("rs", "_"), message["reasoning_content"], status))
     if message.get("content"):
-        output.append(message_item(new_id("msg"), message["content"], status))
+        output.append(message_item(new_id("msg", "_"), message["content"], status))
     for call in message.get("tool_calls") or []:
-        output.append(call_item(new_id("fc"), call, status))
-    return response_object(new_id("resp"), completion["created"], completion["model"], request, output,
+        output.append(call_item(new_id("fc", "_"), call, status))
+    return response_object(new_id("resp", "_"), completion["created"], completion["model"], request, output,
                            choice["finish_reason"], completion["usage"])
 
 
@@ -239,7 +239,7 @@ class ResponseEvents:
 
     def __init__(self, request: ResponsesRequest, model: str) -> None:
         self.request, self.model = request, model
-        self.id, self.created = new_id("resp"), now()
+        self.id, self.created = new_id("resp", "_"), now()
         self.output: list[dict[str, Any]] = []  # items, completed as they close
         self._open: dict[str, Any] | None = None  # the item being written: message or function call
         self._calls: dict[int, int] = {}  # tool-call index -> its item's output index
@@ -247,8 +247,8 @@ class ResponseEvents:
         self._finish: str | None = None
 
     def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self._sequence} | fields  # from 0, as OpenAI counts
         self._sequence += 1
-        data = {"type": kind, "sequence_number": self._sequence} | fields
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     def _response(self, usage_: dict[str, int] | None = None) -> dict[str, Any]:
@@ -292,8 +292,8 @@ class ResponseEvents:
         events = []
         if self._open is None or self._open["type"] != kind:
             events += self._close()
-            item = (message_item(new_id("msg"), "", status="in_progress") if message else
-                    reasoning_item(new_id("rs"), "", status="in_progress"))
+            item = (message_item(new_id("msg", "_"), "", status="in_progress") if message else
+                    reasoning_item(new_id("rs", "_"), "", status="in_progress"))
             self._open = item | {"text": ""}
             index = len(self.output)
             events.append(self._event("response.output_item.added", output_index=index, item=item))
@@ -309,7 +309,7 @@ class ResponseEvents:
         events = []
         if call["index"] not in self._calls:  # a call's first delta: its id and name
             events += self._close()
-            item = call_item(new_id("fc"), call, status="in_progress")
+            item = call_item(new_id("fc", "_"), call, status="in_progress")
             self._calls[call["index"]] = len(self.output)
             self._open = item
             events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))

@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 from jaxinfer.reasoning import partial_suffix
+from jaxinfer.structured_output import strict_schema
 
 
 FREE_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function that declares no parameters
@@ -48,15 +49,21 @@ def constraint(tools: list | None, tool_choice: Any, parallel_tool_calls: bool |
         return None
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": t.function.parameters or FREE_ARGUMENTS},
+                                                   "parameters": arguments_schema(t.function)},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
     else:
-        schema = next(t for t in tools if t.function.name == tool_choice.function.name).function.parameters
+        schema = arguments_schema(next(t for t in tools if t.function.name == tool_choice.function.name).function)
     # compact JSON, as OpenAI writes arguments: no tokens spent on layout
-    return {"json": schema or FREE_ARGUMENTS, "disable_any_whitespace": True}
+    return {"json": schema, "disable_any_whitespace": True}
+
+
+def arguments_schema(function: Any) -> dict[str, Any]:
+    """A function's arguments schema (any object if it declares none), closed where it is strict."""
+    schema = function.parameters or FREE_ARGUMENTS
+    return strict_schema(schema) if function.strict else schema
 
 
 def parse_calls(text: str, tool_choice: Any) -> list[dict[str, Any]]:
