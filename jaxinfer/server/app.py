@@ -460,10 +460,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                     deltas = readers[index].feed(text)
                     delta = {"tool_calls": deltas} if deltas else {}
                 elif parsed:
-                    content, calls = readers[index].feed(text)
-                    if out.finished:
-                        rest, last = readers[index].finish()
-                        content, calls = content + rest, calls + last
+                    content, calls = readers[index].stream(text, out.finished)
                     delta = ({"content": content} if content or with_logprobs else {}) | (
                         {"tool_calls": calls} if calls else {})
                 elif named is not None:  # the call's id and name first, then its arguments

@@ -194,6 +194,7 @@ class TextCalls:
 
     def __init__(self) -> None:
         self.calls = 0  # calls returned so far: the next one's index
+        self._blank = ""  # `stream`: trailing whitespace held back
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to send now, calls completed now)."""
@@ -213,6 +214,20 @@ class TextCalls:
             arguments = json.dumps(arguments, ensure_ascii=False)
         self.calls += 1
         return tool_call(fields["name"], arguments, self.calls - 1)
+
+    def stream(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """`feed` (and at the end `finish`) for a stream whose content ends as `parse` gives it:
+        trailing whitespace waits for more content, and is dropped at the end of an answer
+        with calls (the line breaks around a call are not content)."""
+        content, calls = self.feed(text)
+        if finished:
+            rest, last = self.finish()
+            content, calls = content + rest, calls + last
+        content, self._blank = self._blank + content, ""
+        if not finished or self.calls:
+            kept = content.rstrip()
+            content, self._blank = kept, content[len(kept):] if not finished else ""
+        return content, calls
 
     @classmethod
     def parse(cls, text: str) -> tuple[str | None, list[dict[str, Any]]]:
