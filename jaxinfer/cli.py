@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ EXAMPLES = """examples:
   jaxinfer generate --speculative ngram --num-speculative 4 "Repeat: a b c d"   # also self:8, draft, eagle
   jaxinfer convert model.gguf ./model-orbax     # an orbax checkpoint (restores onto a mesh's shardings)
   jaxinfer serve --port 8000 --api-key sk-local    # OpenAI-compatible API on 127.0.0.1
+  jaxinfer run-batch -i requests.jsonl -o results.jsonl   # OpenAI batch file, answered offline
   jaxinfer calibrate-kv --budget-kl 0.01 --out plan.json   # per-layer KV-cache formats within a KL budget
 """
 
@@ -101,6 +104,41 @@ def _add_mesh_flags(p: argparse.ArgumentParser) -> None:
                    "(or $JAXINFER_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's rank "
                    "(or $JAXINFER_PROCESS_ID)")
+
+
+def _add_serving_flags(p: argparse.ArgumentParser) -> None:
+    """The model, engine and API flags `serve` and `run-batch` share."""
+    _add_model_flags(p)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients send; the first is listed first (default: --model or 'default')")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="with tool_choice 'auto' (the default when tools are sent), return the calls the model "
+                        "writes in its answer as tool_calls: 'hermes' for <tool_call>{json}</tool_call> (Hermes, "
+                        "Qwen 2.5/3, SmolLM3), 'llama3_json' for an answer that is {json} calls (Llama 3.1/3.2); "
+                        "without it 'auto' answers in text")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="defaults of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_tokens): 'auto' the model's generation_config.json, 'vllm' "
+                        "the API's own, or a directory's generation_config.json (vLLM's flag)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="return a chat answer's <think>...</think> as message.reasoning_content, and "
+                        "constrain structured output only after it (Qwen3, DeepSeek-R1; vLLM's flag)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM has it; needs --tool-call-parser, which alone turns parsing on")
+    p.add_argument("--max-slots", "--max-num-seqs", type=int, default=8, help="requests served concurrently")
+    _add_attention_flag(p)
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
+    p.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: enough for every slot)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a request prefills per step")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   help="do not reuse the KV pages of a prompt prefix computed before")
+    _add_speculative_flags(p)
+    _add_kv_cache_flag(p)
+    _add_async_flag(p)
+    _add_compilation_cache_flag(p)
+    _add_mesh_flags(p)
 
 
 def _mesh(args: argparse.Namespace):
@@ -202,44 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
     td.add_argument("--seed", type=int, default=0)
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                          formatter_class=_DefaultsHelp)
-    _add_model_flags(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
     srv.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
                      help="web pages (CORS origins, e.g. http://localhost:3000) whose scripts may call the API")
-    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="the model name(s) clients send; the first is listed first (default: --model or 'default')")
-    srv.add_argument("--tool-call-parser", default=None,
-                     help="with tool_choice 'auto' (the default when tools are sent), return the calls the model "
-                          "writes in its answer as tool_calls: 'hermes' for <tool_call>{json}</tool_call> (Hermes, "
-                          "Qwen 2.5/3, SmolLM3), 'llama3_json' for an answer that is {json} calls (Llama 3.1/3.2); "
-                          "without it 'auto' answers in text")
-    srv.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
-                     help="defaults of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
-                          "repetition_penalty, max_tokens): 'auto' the model's generation_config.json, 'vllm' "
-                          "the API's own, or a directory's generation_config.json (vLLM's flag)")
-    srv.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                     help="return a chat answer's <think>...</think> as message.reasoning_content, and "
-                          "constrain structured output only after it (Qwen3, DeepSeek-R1; vLLM's flag)")
-    srv.add_argument("--enable-auto-tool-choice", action="store_true",
-                     help="accepted as vLLM has it; needs --tool-call-parser, which alone turns parsing on")
-    srv.add_argument("--max-slots", "--max-num-seqs", type=int, default=8, help="requests served concurrently")
-    _add_attention_flag(srv)
-    srv.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the slots; more get 429")
-    srv.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output a request may have")
-    srv.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page")
-    srv.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: enough for every slot)")
-    srv.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a request prefills per step")
-    srv.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
-                     help="do not reuse the KV pages of a prompt prefix computed before")
-    _add_speculative_flags(srv)
-    _add_kv_cache_flag(srv)
-    _add_async_flag(srv)
-    _add_compilation_cache_flag(srv)
-    _add_mesh_flags(srv)
     srv.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    _add_serving_flags(srv)
+    batch = sub.add_parser("run-batch", help="answer a file of OpenAI batch requests (JSONL) offline, as the server "
+                                             "would", formatter_class=_DefaultsHelp)
+    batch.add_argument("-i", "--input-file", required=True,
+                       help="JSONL, a request per line: {custom_id, method: POST, url: /v1/chat/completions | "
+                            "/v1/completions | /v1/responses, body}; '-' reads stdin")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="JSONL, an answer per line in input order: {id, custom_id, response: {status_code, "
+                            "request_id, body}, error}; '-' writes stdout")
+    _add_serving_flags(batch)
     return parser
 
 
@@ -360,8 +377,6 @@ def _report_speed(engine, wall: float) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from jaxinfer.checkpoint import save_orbax
 
     dst = Path(args.dst)
@@ -398,11 +413,43 @@ def cmd_calibrate_kv(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from jaxinfer.server import serve
+
+    server = _server(args, warmup=True)
+    if server is not None:
+        serve(server, args.host, args.port, grace_s=args.grace_period)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    from jaxinfer.server.batch import run_batch
+
+    if args.input_file == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        lines = Path(args.input_file).read_text().splitlines()  # a missing file: refused before loading
+    server = _server(args, warmup=False)  # programs compile as the requests need them
+    if server is None:
+        raise ValueError("run-batch runs in one process: a mesh spanning several is for serve")
+    t0 = time.perf_counter()
+    records = run_batch(server, lines)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if args.output_file == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.output_file).write_text(text)
+    answered = sum(r["response"] is not None and r["response"]["status_code"] == 200 for r in records)
+    print(f"{len(records)} requests in {time.perf_counter() - t0:.1f} s: {answered} answered, "
+          f"{len(records) - answered} refused or invalid (their errors are in the output)", file=sys.stderr)
+
+
+def _server(args: argparse.Namespace, warmup: bool):
+    """The `OpenAIServer` the serving flags describe; None in a multi-host job's followers
+    (processes but 0), which run process 0's engine steps here and return when it stops."""
     import jax
 
     from jaxinfer.engine import Engine, EngineConfig
     from jaxinfer.engine.multihost import spans_processes
-    from jaxinfer.server import build_server, serve
+    from jaxinfer.server import build_server
     from jaxinfer.server.tools import call_parser
 
     call_parser(args.tool_call_parser)  # a bad name is refused before the model loads
@@ -420,13 +467,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if spans_processes(mesh) and jax.process_index() != 0:  # process 0 schedules and serves HTTP; here: follow it
         print(f"process {jax.process_index()}: following process 0's engine", file=sys.stderr, flush=True)
         Engine(model, config).follow()
-        return
+        return None
     name = args.served_model_name or [args.model or "default"]
-    print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
-    server = build_server(model, config, name, api_key=args.api_key, max_queue=args.max_queue,
-                          tool_call_parser=args.tool_call_parser, allowed_origins=args.allowed_origins,
-                          reasoning_parser=args.reasoning_parser, generation_config=args.generation_config)
-    serve(server, args.host, args.port, grace_s=args.grace_period)
+    if warmup:
+        print("compiling in the background: /health answers 503 until ready", file=sys.stderr, flush=True)
+    return build_server(model, config, name, api_key=getattr(args, "api_key", None), max_queue=args.max_queue,
+                        warmup=warmup, tool_call_parser=args.tool_call_parser,
+                        allowed_origins=getattr(args, "allowed_origins", ("*",)),
+                        reasoning_parser=args.reasoning_parser, generation_config=args.generation_config)
 
 
 def _layer_list(text: str) -> tuple[int, ...] | str:
@@ -494,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         {"generate": cmd_generate, "convert": cmd_convert, "calibrate-kv": cmd_calibrate_kv, "serve": cmd_serve,
-         "train-draft": cmd_train_draft}[args.command](args)
+         "run-batch": cmd_run_batch, "train-draft": cmd_train_draft}[args.command](args)
     except (ValueError, OSError, CheckpointError, ModelFetchError) as e:
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,29 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
     assert penalized.stdout.strip() and penalized.stdout != from_gguf.stdout
 
 
+@pytest.mark.slow
+def test_run_batch_answers_a_file_as_generate_does(smollm2_gguf, tmp_path):
+    """`jaxinfer run-batch`: an OpenAI batch file in, an answer per line out (stdout with
+    `-o -`), a completion's greedy text equal to `generate --raw`'s; a bad line is an error
+    record, not a failed run; a missing input file is refused before the model loads."""
+    body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    lines = [{"custom_id": "story", "method": "POST", "url": "/v1/completions", "body": body},
+             {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}]
+    (tmp_path / "in.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\nnot a request\n")
+    run = jaxinfer("run-batch", "--model", str(smollm2_gguf), "-i", str(tmp_path / "in.jsonl"), "-o", "-",
+                   "--max-model-len", "256", "--served-model-name", "default")
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["custom_id"] for r in records] == ["story", "chat", None]
+    generated = jaxinfer("generate", "--model", str(smollm2_gguf), "--raw", "--temperature", "0", "--max-tokens", "8",
+                         "--max-model-len", "256", "Once upon a time").stdout
+    assert records[0]["response"]["body"]["choices"][0]["text"] == generated.rstrip("\n")
+    assert records[1]["response"]["status_code"] == 200 and records[2]["error"]["line"] == 3
+    assert "3 requests" in run.stderr and "2 answered" in run.stderr
+    missing = jaxinfer("run-batch", "-i", str(tmp_path / "nowhere.jsonl"), "-o", "-", check=False)
+    assert missing.returncode == 2 and "nowhere.jsonl" in missing.stderr and "loading" not in missing.stderr
+
+
 def run_main(capsys, *args: str) -> tuple[int, str]:
     """`jaxinfer ARGS` in this process: (exit status, stderr)."""
     from jaxinfer.cli import main

@@ -1138,3 +1138,34 @@ def test_prompt_logprobs_as_vllm_returns_them(srv, model):
                                                timeout=T).json()["choices"][0]
     refused = httpx.post(f"{srv.url}/v1/completions", json=body | {"stream": True}, timeout=T)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_run_batch_answers_a_batch_file_as_the_server_would(model, client):
+    """`run_batch` (`jaxinfer run-batch`, OpenAI's batch format): each line's answer, in input
+    order, equal to the server's for the same request; requests of several choices beyond what
+    the server holds wait instead of failing (429s retried); a refused request keeps its status
+    and error body; lines that are not requests get an error naming the problem and their line."""
+    from jaxinfer.server.batch import run_batch
+
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "n": 2}
+    text = {"model": NAME, "prompt": "Once upon", "max_tokens": 5, "temperature": 0}
+    request = lambda i, url, body: json.dumps({"custom_id": f"r{i}", "method": "POST", "url": url, "body": body})
+    lines = ([request(i, "/v1/chat/completions", chat) for i in range(5)] + [request(5, "/v1/completions", text), ""]
+             + [request(7, "/v1/responses", {"model": NAME, "input": "Hi", "max_output_tokens": 4, "temperature": 0}),
+                request(8, "/v1/chat/completions", chat | {"model": "nope"}), request(9, "/v1/embeddings", {}),
+                request(10, "/v1/completions", text | {"stream": True}), "{not json", '{"method": "POST"}'])
+    server = build_server(model, dataclasses.replace(ENGINE, max_slots=2), NAME, max_queue=1, warmup=False)  # 3 places
+    records = run_batch(server, lines)
+    assert [r["custom_id"] for r in records] == [f"r{i}" for i in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10)] + [None, None]
+    want_chat = client.chat.completions.create(**chat).choices[0].message.content
+    for r in records[:5]:
+        assert r["response"]["status_code"] == 200 and r["error"] is None and r["id"].startswith("batch_req_")
+        assert [c["message"]["content"] for c in r["response"]["body"]["choices"]] == [want_chat] * 2
+    assert records[5]["response"]["body"]["choices"][0]["text"] == client.completions.create(**text).choices[0].text
+    assert records[6]["response"]["body"]["object"] == "response"
+    assert records[7]["response"]["status_code"] == 404 and records[7]["response"]["body"]["error"]["param"] == "model"
+    errors = [(r["error"]["line"], r["error"]["message"]) for r in records[8:]]
+    assert [line for line, _ in errors] == [10, 11, 12, 13]
+    for (_, message), named in zip(errors, ("url='/v1/embeddings'", "body.stream", "not JSON", "custom_id")):
+        assert named in message, message
+    assert all(r["response"] is None for r in records[8:])
