@@ -39,7 +39,7 @@ MAX_LOGIT_BIAS = 1024  # entries of `logit_bias` (OpenAI allows 300)
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # `SamplingParams.output_kind`
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)  # keywords only: fields may be added anywhere
 class SamplingParams:
     """How to pick each next token. `temperature=0` means greedy (argmax); so does a positive
     temperature below `MIN_TEMPERATURE` (it is stored as 0). Out-of-range values raise
