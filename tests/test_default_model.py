@@ -131,3 +131,32 @@ def test_real_default_model(smollm2_gguf: Path):
     assert smollm2_gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert dm.sha256_file(smollm2_gguf) == dm.DEFAULT_MODEL_SHA256
     assert smollm2_gguf.stat().st_size == 98362432
+
+
+def test_a_built_wheel_ships_the_trained_drafts(tmp_path):
+    """`pip install jaxinfer` (a wheel, not an editable checkout, as Colab's `pip install
+    git+...` makes) has the trained draft and EAGLE head: every file under checkpoints/ is in
+    the wheel under jaxinfer/checkpoints/, where `shipped_checkpoint` looks."""
+    import shutil
+    import sys
+
+    repo, source = Path(__file__).resolve().parents[1], tmp_path / "source"  # built from a copy: no build/ left here
+    for name in ("jaxinfer", "pallas_kernels", "checkpoints"):
+        shutil.copytree(repo / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(repo / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
+                   check=True, capture_output=True, timeout=600)
+    [wheel] = tmp_path.glob("jaxinfer-*.whl")
+    shipped = {p.relative_to(repo).as_posix() for p in (repo / "checkpoints").rglob("*") if p.is_file()}
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "site")
+    assert {"checkpoints/smollm2_draft/draft.json", "checkpoints/smollm2_eagle/eagle.json"} <= shipped
+    assert {f"jaxinfer/{name}" for name in shipped} <= names
+    found = subprocess.run([sys.executable, "-c", "from jaxinfer.speculative.checkpoint import DEFAULT_DRAFT_PATH as d; "
+                            "from jaxinfer.speculative.eagle.checkpoint import DEFAULT_EAGLE_PATH as e; print(d); print(e)"],
+                           env={"PYTHONPATH": str(tmp_path / "site"), "JAX_PLATFORMS": "cpu"}, cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert found == [str(tmp_path / "site/jaxinfer/checkpoints/smollm2_draft"),
+                     str(tmp_path / "site/jaxinfer/checkpoints/smollm2_eagle")]

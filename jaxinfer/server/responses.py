@@ -159,6 +159,11 @@ def _text(content: Any, param: str) -> str | None:
     return "".join(texts)
 
 
+def responses_id(prefix: str) -> str:
+    """A Responses id, OpenAI's way: "resp_...", "msg_...", "fc_...", "rs_..."."""
+    return new_id(prefix, sep="_")
+
+
 # chat's field names -> Responses'
 RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text.format"}
@@ -225,12 +230,12 @@ def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[s
     choice = completion["choices"][0]
     message, output, status = choice["message"], [], item_status(choice["finish_reason"])
     if message.get("reasoning_content"):
-        output.append(reasoning_item(new_id("rs", "_"), message["reasoning_content"], status))
+        output.append(reasoning_item(responses_id("rs"), message["reasoning_content"], status))
     if message.get("content"):
-        output.append(message_item(new_id("msg", "_"), message["content"], status))
+        output.append(message_item(responses_id("msg"), message["content"], status))
     for call in message.get("tool_calls") or []:
-        output.append(call_item(new_id("fc", "_"), call, status))
-    return response_object(new_id("resp", "_"), completion["created"], completion["model"], request, output,
+        output.append(call_item(responses_id("fc"), call, status))
+    return response_object(responses_id("resp"), completion["created"], completion["model"], request, output,
                            choice["finish_reason"], completion["usage"])
 
 
@@ -239,7 +244,7 @@ class ResponseEvents:
 
     def __init__(self, request: ResponsesRequest, model: str) -> None:
         self.request, self.model = request, model
-        self.id, self.created = new_id("resp", "_"), now()
+        self.id, self.created = responses_id("resp"), now()
         self.output: list[dict[str, Any]] = []  # items, completed as they close
         self._open: dict[str, Any] | None = None  # the item being written: message or function call
         self._calls: dict[int, int] = {}  # tool-call index -> its item's output index
@@ -292,8 +297,8 @@ class ResponseEvents:
         events = []
         if self._open is None or self._open["type"] != kind:
             events += self._close()
-            item = (message_item(new_id("msg", "_"), "", status="in_progress") if message else
-                    reasoning_item(new_id("rs", "_"), "", status="in_progress"))
+            item = (message_item(responses_id("msg"), "", status="in_progress") if message else
+                    reasoning_item(responses_id("rs"), "", status="in_progress"))
             self._open = item | {"text": ""}
             index = len(self.output)
             events.append(self._event("response.output_item.added", output_index=index, item=item))
@@ -309,7 +314,7 @@ class ResponseEvents:
         events = []
         if call["index"] not in self._calls:  # a call's first delta: its id and name
             events += self._close()
-            item = call_item(new_id("fc", "_"), call, status="in_progress")
+            item = call_item(responses_id("fc"), call, status="in_progress")
             self._calls[call["index"]] = len(self.output)
             self._open = item
             events.append(self._event("response.output_item.added", output_index=len(self.output), item=item))

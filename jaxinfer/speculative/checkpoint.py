@@ -30,7 +30,16 @@ from jaxinfer.loading import Model
 from jaxinfer.model.params import LayerParams, expected_shapes
 from jaxinfer.speculative.drafts.model import DraftModel, init_draft
 
-DEFAULT_DRAFT_PATH = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2_draft"
+
+def shipped_checkpoint(name: str) -> Path:
+    """A checkpoint that ships with jaxinfer: under checkpoints/ in a checkout (and an editable
+    install), under jaxinfer/checkpoints/ where a wheel installed it (`setup.py`)."""
+    package = Path(__file__).resolve().parents[1]
+    return next((root / name for root in (package.parent / "checkpoints", package / "checkpoints")
+                 if (root / name).is_dir()), package.parent / "checkpoints" / name)
+
+
+DEFAULT_DRAFT_PATH = shipped_checkpoint("smollm2_draft")
 DRAFT_FORMAT = "jaxinfer-trained-draft"
 DRAFT_VERSION = 1
 DRAFT_FILE = "draft.json"

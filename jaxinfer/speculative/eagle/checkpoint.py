@@ -20,10 +20,10 @@ import numpy as np
 
 from jaxinfer.loading import Model
 from jaxinfer.model.params import LayerParams, expected_shapes
-from jaxinfer.speculative.checkpoint import STORED_DTYPE, TARGET_SHAPE_FIELDS, check_target_matches
+from jaxinfer.speculative.checkpoint import STORED_DTYPE, TARGET_SHAPE_FIELDS, check_target_matches, shipped_checkpoint
 from jaxinfer.speculative.eagle.head import EagleHead, EagleParams, bind_head
 
-DEFAULT_EAGLE_PATH = Path(__file__).resolve().parents[3] / "checkpoints" / "smollm2_eagle"
+DEFAULT_EAGLE_PATH = shipped_checkpoint("smollm2_eagle")
 EAGLE_FORMAT = "jaxinfer-eagle-head"
 EAGLE_VERSION = 1
 EAGLE_FILE = "eagle.json"
