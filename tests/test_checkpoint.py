@@ -721,3 +721,8 @@ def test_load_checkpoint_rejects_unknown_and_missing_paths(tmp_path):
     for path in (tmp_path / "empty", tmp_path / "notes.txt"):
         with pytest.raises(CheckpointError, match="unknown checkpoint format"):
             load_checkpoint(path)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    (tmp_path / "old" / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: PyTorch pickles are not read"):
+        load_checkpoint(tmp_path / "old")

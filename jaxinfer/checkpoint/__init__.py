@@ -49,9 +49,12 @@ def load_checkpoint(path: str | os.PathLike, dtype: str = "float32", place=None)
         return load_hf_dir(path, dtype=dtype, place=place)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    pickled = sorted(p.name for p in path.glob("*.bin")) if path.is_dir() else []
+    also = (f"; {', '.join(pickled[:2])}: PyTorch pickles are not read (save the model with "
+            "safe_serialization=True, transformers' default, to get safetensors)") if pickled else ""
     raise CheckpointError(
         f"{path}: unknown checkpoint format; expected a .gguf file, a Hugging Face directory "
-        f"(config.json + {SINGLE_FILE} or {SHARD_INDEX}) or a jaxinfer orbax directory ({MARKER_FILE})"
+        f"(config.json + {SINGLE_FILE} or {SHARD_INDEX}) or a jaxinfer orbax directory ({MARKER_FILE}){also}"
     )
 
 
