@@ -60,7 +60,8 @@ def load_model(
     if is_gguf(path):
         gguf_file = open_gguf_checked(path)  # parsed once, for the weights and the tokenizer
         config, params = load_gguf(gguf_file, dtype, place, weight_cache=weight_cache, progress=progress)
-        tokenizer = Tokenizer.from_gguf(gguf_file)
+        # as a directory without tokenizer files: a model fed token ids
+        tokenizer = Tokenizer.from_gguf(gguf_file) if "tokenizer.ggml.model" in gguf_file.metadata else None
     else:
         config, params = load_checkpoint(path, dtype=dtype, place=place)
         tokenizer = tokenizer_of_dir(path)

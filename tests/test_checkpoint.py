@@ -383,7 +383,8 @@ def tiny_config(arch: str = "llama", **changes) -> ModelConfig:
 
 def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], *, arch: str | None = None,
                skip: tuple[str, ...] = (), rope_freqs: np.ndarray | None = None,
-               qtype: gguf.GGMLQuantizationType | None = None, linear_rope: float | None = None) -> Path:
+               qtype: gguf.GGMLQuantizationType | None = None, linear_rope: float | None = None,
+               tokenizer: bool = True) -> Path:
     """Write `weights` (our names, HF layout) the way llama.cpp's converter would: llama q/k
     rows permuted, ggml names, experts stacked [E, out, in] per matrix, f32 (matrices in
     `qtype` if given). `skip` leaves out metadata fields or tensors by name."""
@@ -404,14 +405,15 @@ def write_gguf(path: Path, config: ModelConfig, weights: dict[str, np.ndarray], 
     if linear_rope is not None:  # llama.cpp's keys for linear RoPE scaling
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_float32(f"{arch}.rope.scaling.factor", linear_rope)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(TINY_TOKENS)
-    writer.add_token_types([3, 3, 3] + [1] * (len(TINY_TOKENS) - 3))
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(TINY_TEMPLATE)
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt2")
+        writer.add_token_list(TINY_TOKENS)
+        writer.add_token_types([3, 3, 3] + [1] * (len(TINY_TOKENS) - 3))
+        writer.add_token_merges(TINY_MERGES)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(2)
+        writer.add_chat_template(TINY_TEMPLATE)
     weights = dict(weights)
     for name in [n for n in weights if n.endswith(("moe_gate_up", "moe_down"))]:  # ours [E, in, out] -> [E, out, in]
         block, array = f"blk.{name.split('.')[1]}.", weights.pop(name).transpose(0, 2, 1)
@@ -491,6 +493,23 @@ def test_gguf_linear_rope_scaling(tmp_path):
     loaded, _ = load_gguf(path)
     assert loaded.rope_scaling == LinearRopeScaling(4.0)
     assert ModelConfig.from_json(loaded.to_json()) == loaded  # as `jaxinfer convert` keeps it
+
+
+def test_gguf_without_a_tokenizer_loads_for_token_ids(tmp_path):
+    """As a directory without tokenizer files: the model loads with `tokenizer=None` and
+    generates from token ids; text prompts are refused by name."""
+    from jaxinfer.engine import Engine, EngineConfig
+    from jaxinfer.loading import load_model
+    from jaxinfer.sampling import SamplingParams
+
+    config = tiny_config()
+    path = write_gguf(tmp_path / "bare.gguf", config, flat(init_random_params(config)), tokenizer=False)
+    model = load_model(path, weight_cache=False)
+    assert model.tokenizer is None
+    engine = Engine(model, EngineConfig(max_slots=1, page_size=8, max_model_len=32))
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3
+    with pytest.raises(ValueError, match="no tokenizer"):
+        engine.add_request("text", SamplingParams(max_tokens=2))
 
 
 def test_gguf_rope_freqs_of_unknown_parameters_rejected(tmp_path):
