@@ -137,7 +137,8 @@ def strict_schema(schema: Any) -> Any:
     for key in ("properties", "$defs", "definitions", "patternProperties"):
         if isinstance(closed.get(key), dict):
             closed[key] = {name: strict_schema(sub) for name, sub in closed[key].items()}
-    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+    types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if ("object" in types or "properties" in schema) and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
 

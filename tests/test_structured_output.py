@@ -379,6 +379,7 @@ def test_strict_schemas_admit_only_declared_properties(model):
     assert schema == original and closed["additionalProperties"] is False
     assert closed["properties"]["at"]["additionalProperties"] is False
     assert strict_schema({"type": "object", "additionalProperties": True})["additionalProperties"] is True
+    assert strict_schema({"type": ["object", "null"]})["additionalProperties"] is False
     compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, model.config.eos_ids)
     for text, declared, extra in (('{"unit":"c","tz":"UTC"}', '{"unit":"c"', "tz"), ('{"at":{"h":1,"m":2}}', '{"at":{"h":1', '"m')):
         ids = model.tokenizer.encode(text, add_special_tokens=False)
