@@ -214,11 +214,12 @@ class AfterThinking:
         self.grammar, self.state = grammar, state
         self._end, self._opener = tuple(end), opener
         self._tail: tuple[int, ...] = ()  # thinking: its last len(end) tokens
+        self._free = np.full(grammar.words, -1, np.int32)  # i32[W]: the thinking's mask, every token
 
     def allowed(self) -> np.ndarray:
         """i32[W]: the tokens allowed next."""
         if self.state == "thinking":
-            return np.full(self.grammar.words, -1, np.int32)
+            return self._free
         mask = self.grammar.allowed()
         if self.state == "lead":
             mask = mask.copy()
@@ -243,7 +244,7 @@ class AfterThinking:
                 masks.append(self.grammar.draft_masks(drafts[j:]))
                 break
             state, tail, _ = self._next(state, tail, token)
-            masks.append((np.full(self.grammar.words, -1, np.int32) if state == "thinking" else self.grammar.allowed())[None])
+            masks.append((self._free if state == "thinking" else self.grammar.allowed())[None])
         return np.concatenate(masks)
 
     def _next(self, state: str, tail: tuple[int, ...], token: int) -> tuple[str, tuple[int, ...], bool]:

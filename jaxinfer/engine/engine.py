@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -51,7 +52,7 @@ from jaxinfer.model.row_layouts import choose_reads
 from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weight_layouts, with_layer_runs
 from jaxinfer.penalties import PenaltyState, init_penalty_state, set_slot, slot_history
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
-from jaxinfer.reasoning import find_reasoning_parser
+from jaxinfer.reasoning import ReasoningParser, find_reasoning_parser
 from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
 from jaxinfer.scoring import score_tokens
 from jaxinfer.speculative.checkpoint import load_trained_draft
@@ -365,14 +366,23 @@ class Engine:
     def _matcher(self, structured: StructuredOutputsParams, prompt: list[int]) -> GrammarMatcher | AfterThinking:
         """The request's grammar; with a reasoning parser, from the end of its thinking."""
         grammar = self._grammar_compiler().matcher(structured)
+        if self._thinking_tags is None:
+            return grammar
+        parser, opener, end = self._thinking_tags
+        state = parser.opening(self.model.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
+        if state == "lead" and opener is None:  # the model cannot open a thinking the grammar refuses
+            state = "answer"
+        return AfterThinking(grammar, state, end, opener)
+
+    @functools.cached_property
+    def _thinking_tags(self) -> tuple[ReasoningParser, int | None, list[int]] | None:
+        """The reasoning parser, the one token of its opening tag (None if spelled in several)
+        and the ids of its closing tag; None without a parser."""
         parser = find_reasoning_parser(self.config.reasoning_parser)
         if parser is None:
-            return grammar
-        state = parser.opening(self.model.tokenizer.decode(prompt[-16:], skip_special_tokens=False))
+            return None
         opener, end = parser.tag_ids(self.model.tokenizer)
-        if state == "lead" and len(opener) != 1:  # the model cannot open a thinking the grammar refuses
-            state = "answer"
-        return AfterThinking(grammar, state, end, opener[0] if len(opener) == 1 else None)
+        return parser, opener[0] if len(opener) == 1 else None, end
 
     def _peak_pages(self, tokens: int) -> int:
         """Most pages a request of `tokens` tokens holds at once: fewer than its length needs

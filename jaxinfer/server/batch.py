@@ -41,10 +41,19 @@ async def _run(server: OpenAIServer, lines: list[tuple[int, str]]) -> list[dict[
     server.loop.start()  # what the app's lifespan would do under uvicorn
     try:
         async def one(line_number: int, line: str) -> dict[str, Any]:
+            def invalid(custom_id: Any, message: str) -> dict[str, Any]:
+                custom_id = custom_id if isinstance(custom_id, str) else None
+                return _record(custom_id, None, {"code": "invalid_request", "line": line_number, "message": message})
+
             try:
-                custom_id, url, body = _request(line)
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                return invalid(None, f"not JSON: {e}")
+            custom_id = item.get("custom_id") if isinstance(item, dict) else None
+            try:
+                url, body = _request(item)
             except ValueError as e:
-                return _record(_custom_id(line), None, {"code": "invalid_request", "line": line_number, "message": str(e)})
+                return invalid(custom_id, str(e))
             async with room:
                 status, headers, answer = await _post(app, url, json.dumps(body).encode())
                 while status == 429:  # the server is full (requests of n choices hold several places)
@@ -58,12 +67,8 @@ async def _run(server: OpenAIServer, lines: list[tuple[int, str]]) -> list[dict[
         await asyncio.to_thread(server.loop.stop)
 
 
-def _request(line: str) -> tuple[str, str, dict[str, Any]]:
-    """(custom_id, url, body) of an input line; ValueError naming what is wrong."""
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON: {e}") from None
+def _request(item: Any) -> tuple[str, dict[str, Any]]:
+    """(url, body) of a parsed input line; ValueError naming what is wrong."""
     if not isinstance(item, dict):
         raise ValueError("a request line is a JSON object")
     custom_id, method, url, body = (item.get(k) for k in ("custom_id", "method", "url", "body"))
@@ -77,15 +82,7 @@ def _request(line: str) -> tuple[str, str, dict[str, Any]]:
         raise ValueError("body must be a JSON object (the request)")
     if body.get("stream"):
         raise ValueError("body.stream: a batch answers whole responses, not streams")
-    return custom_id, url, body
-
-
-def _custom_id(line: str) -> str | None:
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return item.get("custom_id") if isinstance(item, dict) and isinstance(item.get("custom_id"), str) else None
+    return url, body
 
 
 def _record(custom_id: str | None, response: dict[str, Any] | None, error: dict[str, Any] | None) -> dict[str, Any]:

@@ -224,10 +224,11 @@ class TextCalls:
             rest, last = self.finish()
             content, calls = content + rest, calls + last
         content, self._blank = self._blank + content, ""
-        if not finished or self.calls:
-            kept = content.rstrip()
-            content, self._blank = kept, content[len(kept):] if not finished else ""
-        return content, calls
+        if finished and not self.calls:
+            return content, calls
+        kept = content.rstrip()
+        self._blank = "" if finished else content[len(kept):]
+        return kept, calls
 
     @classmethod
     def parse(cls, text: str) -> tuple[str | None, list[dict[str, Any]]]:
