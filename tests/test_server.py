@@ -282,6 +282,9 @@ BAD = [
     ({"json": {"model": NAME, "messages": []}}, "messages", "/v1/chat/completions"),
     ({"json": {"model": NAME, "prompt": "x", "stop": 5}}, "stop", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": None}}, "prompt", "/v1/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user"}]}}, "messages.0", "/v1/chat/completions"),
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}},
+     "messages.1", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",
      "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "user", "content": [
@@ -546,6 +549,13 @@ def test_auto_tool_calls_parsed_from_the_answer(model, client):
         content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert content == "On it." and finish == "tool_calls"  # the whitespace around the call: not content
         assert calls == {0: {"name": "set_unit", "arguments": msg.tool_calls[0].function.arguments}}
+        # parallel_tool_calls false: the first call the model wrote, streamed or not
+        two = dict(kw, max_tokens=32, parallel_tool_calls=False, extra_body={"structured_outputs": {"choice": [
+            '<tool_call>{"name":"a","arguments":{}}</tool_call><tool_call>{"name":"b","arguments":{}}</tool_call>']}})
+        assert [c.function.name for c in hermes.chat.completions.create(**two).choices[0].message.tool_calls] == ["a"]
+        assert [c["name"] for c in _streamed_calls(hermes.chat.completions.create(stream=True, **two))[0].values()] == ["a"]
+        both = hermes.chat.completions.create(**(two | {"parallel_tool_calls": True})).choices[0].message.tool_calls
+        assert [c.function.name for c in both] == ["a", "b"]
         # no call in the answer, or tool choice "none": text, as the server without a parser gives it
         plain = dict(kw, extra_body={"structured_outputs": {"choice": ["<tool_call> is a tag"]}})
         for extra in ({}, {"tool_choice": "none"}):
@@ -627,6 +637,61 @@ def test_responses_api(srv, client):
         err = httpx.post(f"{srv.url}/v1/responses", json={"model": NAME, "input": "x"} | bad, timeout=T)
         assert err.status_code in (400, 404) and err.json()["error"]["param"] == param, (bad, err.text)
         assert not re.search(r"\b(max_tokens|messages)\b", err.json()["error"]["message"]), err.text  # chat's names
+
+
+def test_responses_are_stored_and_continued(srv, client):
+    """A stored response continues with `previous_response_id` exactly as its conversation sent
+    whole would (its instructions not carried over), and is found, listed and deleted by id."""
+    kw = dict(model=NAME, max_output_tokens=3, temperature=0)
+    first = client.responses.create(input="I am Ada.", instructions="Be brief.", **kw)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(input="Who?", previous_response_id=first.id, **kw)
+    whole = client.responses.create(input=[{"role": "user", "content": "I am Ada."},
+                                           *[item.model_dump() for item in first.output],
+                                           {"role": "user", "content": "Who?"}], store=False, **kw)
+    assert second.previous_response_id == first.id and second.output_text == whole.output_text
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [item.content[0].text for item in listed.data] == ["I am Ada.", first.output_text, "Who?"]
+    newest = client.responses.input_items.list(second.id, limit=2)  # desc by default; pages follow `after`
+    assert [i.id for i in newest.data] == [i.id for i in listed.data][::-1][:2] and newest.has_more
+    assert [i.id for i in newest] == [i.id for i in listed.data][::-1]
+    short = kw | {"instructions": "."}  # (in place of the template's long default system prompt)
+    streamed = list(client.responses.create(input="More.", previous_response_id=second.id, stream=True, **short))[-1].response
+    assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+    assert len(client.responses.input_items.list(streamed.id).data) == 5  # 3 inputs, 1 output, "More."
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)  # store false
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(input="Hi", previous_response_id=first.id, **kw)
+    assert e.value.body["param"] == "previous_response_id"
+    again = client.responses.create(input="More.", previous_response_id=second.id, **short)  # its history is its own
+    assert again.output_text == streamed.output_text
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_spared(srv, client):
+    """`usage.prompt_tokens_details.cached_tokens` (OpenAI's field) is what the prefix cache
+    spared: none of a prompt seen first, its full pages but the last one's the second time;
+    streamed, completions with n choices (the prompt counted once) and Responses too."""
+    prompt = "Cached prompt: " + " ".join(["seven"] * 24)  # > 2 pages of 16 tokens
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=NAME, prompt=prompt, max_tokens=1, n=2, temperature=0)
+    # its full pages, but the one holding the last prompt token (always recomputed)
+    assert again.usage.prompt_tokens_details.cached_tokens == 16 * ((first.usage.prompt_tokens - 1) // 16) > 0
+    messages = [{"role": "user", "content": prompt[:60]}]
+    first = client.chat.completions.create(model=NAME, messages=messages, max_tokens=1)
+    # (the template's system prompt opens every chat: its page may be cached by earlier requests)
+    assert first.usage.prompt_tokens_details.cached_tokens < 16 * ((first.usage.prompt_tokens - 1) // 16)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=1, stream=True,
+                                                 stream_options={"include_usage": True}))
+    hit = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert hit == 16 * ((first.usage.prompt_tokens - 1) // 16) > 0
+    r = client.responses.create(model=NAME, input=prompt[:60], max_output_tokens=1, store=False)
+    assert r.usage.input_tokens_details.cached_tokens == hit
 
 
 def test_default_max_tokens_fits_the_context(srv, model):
@@ -721,6 +786,9 @@ def test_structured_outputs_equal_engine(srv, client, model):
     cases = [({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
              ({"structured_outputs": {"regex": "[0-9]{2}-[a-z]{2}"}}, {"regex": "[0-9]{2}-[a-z]{2}"}),
              ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+              {"json_object": True, "disable_any_whitespace": True}),
+             # options alone in structured_outputs apply to another field's constraint (vLLM merges them)
+             ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
               {"json_object": True, "disable_any_whitespace": True})]
     texts = []
     for extra, fields in cases:
@@ -728,6 +796,9 @@ def test_structured_outputs_equal_engine(srv, client, model):
         texts.append(r.choices[0].text)
         assert texts[-1] == engine_text(model, ids, SamplingParams(**base, structured_outputs=fields))
     assert texts[0] in ("yes", "no") and re.fullmatch("[0-9]{2}-[a-z]{2}", texts[1])
+    alone = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": prompt, "structured_outputs": {
+        "disable_any_whitespace": True}}, timeout=T)  # an option without a constraint
+    assert alone.status_code == 400 and "exactly one of json" in alone.json()["error"]["message"], alone.text
 
 
 def test_auth(small):

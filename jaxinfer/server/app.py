@@ -38,7 +38,7 @@ from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
 from jaxinfer.reasoning import find_reasoning_parser
-from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, renamed, to_response
+from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, ResponseStore, renamed, to_response
 from jaxinfer.server.tools import RequiredCalls, call_parser, parse_calls, tool_call
 
 T = TypeVar("T")
@@ -63,6 +63,7 @@ class OpenAIServer:
         if not self.model_names:
             raise ValueError("an OpenAIServer needs at least one served model name")
         self.api_key = api_key
+        self.responses = ResponseStore()  # `/v1/responses` answers, for `previous_response_id`
         self.allowed_origins = list(allowed_origins)  # CORS: the web pages whose scripts may call the API
         self.tokenizer = loop.engine.model.tokenizer
         self.max_model_len = loop.engine.max_model_len
@@ -275,6 +276,12 @@ def running_usage(body: _Common) -> Callable[[int, int], dict | None]:
     return lambda prompt, generated: usage(prompt, generated) if continuous else None
 
 
+def cached_prompt(out) -> int:
+    """A finished choice's prompt tokens the prefix cache spared (the prompt counts once: its
+    first choice's)."""
+    return out.metrics.num_cached_prompt_tokens
+
+
 def engine_failure(message: str) -> ErrorBody:
     """A request the engine accepted and then could not run (it logged why, with the request id)."""
     return ErrorBody(500, f"the engine stopped this request: {message}", code="engine_error", err_type="server_error")
@@ -343,20 +350,21 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
     if body.stream:
         async def stream():
             # the generated text's offsets follow the prompt's
-            generated, offsets = 0, [len(echoed[i // n]) for i in range(len(rids))]
+            generated, offsets, cached = 0, [len(echoed[i // n]) for i in range(len(rids))], 0
             if body.echo:
                 for i in range(len(rids)):
                     yield _sse(chunk([{"index": i, "text": echoed[i // n], "logprobs": echo_lps[i // n],
                                        "finish_reason": None}], running(prompt_tokens, 0)))
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
+                cached += cached_prompt(out) if out.finished and index % n == 0 else 0
                 if out.delta_text or out.finished or (wants_logprobs and out.delta_token_ids):
                     lp, offsets[index] = logprobs(out, offsets[index])
                     yield _sse(chunk([{"index": index, "text": out.delta_text, "logprobs": lp,
                                        "finish_reason": out.finish_reason if out.finished else None,
                                        "stop_reason": out.stop_reason}], running(prompt_tokens, generated)))
             if body.include_usage:
-                yield _sse(chunk([], usage(prompt_tokens, generated)))
+                yield _sse(chunk([], usage(prompt_tokens, generated, cached)))
             yield DONE
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
@@ -366,7 +374,8 @@ async def completions(server: OpenAIServer, raw: Request, body: CompletionReques
                | ({} if prompt_lps[i // n] is None else {"prompt_logprobs": prompt_lps[i // n]})
                for i, o in finals]
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, sum(len(o.token_ids) for _, o in finals))}
+            "choices": choices, "usage": usage(prompt_tokens, sum(len(o.token_ids) for _, o in finals),
+                                               sum(cached_prompt(o) for i, o in finals if i % n == 0))}
 
 
 def _echo_only(body: CompletionRequest, model: str, echoed: list[str], echo_lps: list[dict | None],
@@ -379,12 +388,12 @@ def _echo_only(body: CompletionRequest, model: str, echoed: list[str], echo_lps:
                for i in range(len(echoed) * body.n)]
     d = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model}
     if not body.stream:
-        return d | {"choices": choices, "usage": usage(prompt_tokens, 0)}
+        return d | {"choices": choices, "usage": usage(prompt_tokens, 0, 0)}
 
     async def stream():
         yield _sse(d | {"choices": choices} | ({"usage": None} if body.include_usage else {}))
         if body.include_usage:
-            yield _sse(d | {"choices": [], "usage": usage(prompt_tokens, 0)})
+            yield _sse(d | {"choices": [], "usage": usage(prompt_tokens, 0, 0)})
         yield DONE
     return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -396,6 +405,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     # "auto" with a parser: the model may write calls in its text (`TextCalls`), whose tags
     # some tokenizers make special tokens: kept in the text (as vLLM's parsers do)
     parsed = bool(body.tools) and body.effective_tool_choice == "auto" and server.tool_call_parser is not None
+    one_call = body.parallel_tool_calls is False  # calls read from the text: the first kept (vLLM's rule)
     if parsed:
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     prompt_lps = await server.prompt_logprobs(body, ids)
@@ -419,9 +429,9 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     named = None if choice is None or required else choice.function.name  # its arguments, streamed as they come
     reasoner = server.reasoning_parser  # the model may think first, even before a constrained answer
 
-    def used(outs: list[list[int]]) -> dict:
+    def used(outs: list[list[int]], cached: int) -> dict:
         """The usage of answers of these tokens (with their `reasoning_tokens`, given a parser)."""
-        use = usage(len(ids), sum(map(len, outs)))
+        use = usage(len(ids), sum(map(len, outs)), cached)
         if reasoner is None:
             return use
         counts = [reasoner.count(o, server.tokenizer) for o in outs]
@@ -442,7 +452,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             for i in range(len(rids)):
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}], running(len(ids), 0)))
-            generated, started, answers = 0, [False] * len(rids), [[] for _ in rids]
+            generated, started, answers, cached = 0, [False] * len(rids), [[] for _ in rids], 0
             # per choice, what reads calls in its text: "required" calls as they are written
             # (`RequiredCalls`), "auto" with a parser the calls among the content (`TextCalls`)
             readers = [RequiredCalls() if required else server.tool_call_parser() if parsed else None for _ in rids]
@@ -450,6 +460,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
             async for _, index, out in server.events(raw, sink, rids):
                 generated += len(out.delta_token_ids)
                 answers[index] += out.delta_token_ids
+                cached = cached_prompt(out) if out.finished and index == 0 else cached
                 text, with_logprobs, reasoning = out.delta_text, bool(body.logprobs and out.delta_token_ids), None
                 if thinkers[index] is not None:
                     reasoning, text = thinkers[index].feed(text)
@@ -461,6 +472,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                     delta = {"tool_calls": deltas} if deltas else {}
                 elif parsed:
                     content, calls = readers[index].stream(text, out.finished)
+                    calls = [c for c in calls if c["index"] == 0] if one_call else calls
                     delta = ({"content": content} if content or with_logprobs else {}) | (
                         {"tool_calls": calls} if calls else {})
                 elif named is not None:  # the call's id and name first, then its arguments
@@ -481,7 +493,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
                                        "finish_reason": finish(out, called), "stop_reason": out.stop_reason}],
                                      running(len(ids), generated)))
             if body.include_usage:
-                yield _sse(chunk([], used(answers)))
+                yield _sse(chunk([], used(answers, cached)))
             yield DONE
         return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
@@ -489,6 +501,7 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         reasoning, text = reasoner.split(out.text) if reasoner else (None, out.text)
         if parsed:
             content, calls = server.tool_call_parser.parse(text or "")
+            calls = calls[:1] if one_call else calls
             return {"role": "assistant", "content": content} | thought(reasoning) | ({"tool_calls": calls} if calls else {}), calls
         if choice is None:
             return {"role": "assistant", "content": text if reasoner is None else text or None} | thought(reasoning), None
@@ -502,21 +515,34 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         choices.append({"index": i, "message": msg, "logprobs": logprobs(o, new_only=False),
                         "finish_reason": finish(o, (required or parsed) and bool(calls)), "stop_reason": o.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": used([list(o.token_ids) for _, o in finals])} | (
+            "choices": choices, "usage": used([list(o.token_ids) for _, o in finals],
+                                              cached_prompt(finals[0][1]) if finals else 0)} | (
         {} if prompt_lps is None else {"prompt_logprobs": prompt_lps})
 
 
 async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):
     """OpenAI's Responses API, answered by the chat endpoint (`jaxinfer.server.responses`)."""
-    chat = body.to_chat()
+    history = ([] if body.previous_response_id is None else
+               server.responses.get(body.previous_response_id, param="previous_response_id").conversation())
+    chat = body.to_chat(history)
     try:
         answer = await chat_completions(server, raw, chat)
     except ErrorBody as e:  # in the response request's names
         raise renamed(e) from None
     if not body.stream:
-        return to_response(body, answer)
+        response = to_response(body, answer)
+        if body.store:
+            server.responses.put(response, history + body.input_items())
+        return response
     events = ResponseEvents(body, server.check_model(chat))
-    return StreamingResponse(_guarded(events.translate(answer.body_iterator), raw), media_type="text/event-stream")
+
+    async def stream():
+        async for event in events.translate(answer.body_iterator):
+            yield event
+        if body.store and events.final is not None:
+            server.responses.put(events.final, history + body.input_items())
+
+    return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
 
 async def _collect(server: OpenAIServer, raw: Request, sink: Sink, rids: list[str]):
@@ -627,6 +653,18 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.post("/v1/responses")
     async def post_responses(body: ResponsesRequest, raw: Request):
         return await responses(server, raw, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return server.responses.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return server.responses.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
+        return server.responses.input_items(response_id, limit, order, after)
 
     return app
 

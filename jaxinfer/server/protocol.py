@@ -18,6 +18,8 @@ from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 from jaxinfer.server.tools import check_tools, constraint, template_message
 from jaxinfer.structured_output import StructuredOutputsParams, strict_schema
 
+STRUCTURED_OPTIONS = frozenset({"disable_any_whitespace"})  # structured_outputs fields that constrain nothing
+
 
 class ErrorBody(Exception):
     """An error the server answers with `{"error": {message, type, param, code}}`."""
@@ -144,11 +146,16 @@ class _Common(Body):
                 raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
             schema = rf.json_schema.json_schema
             asked.append(("response_format", {"json": strict_schema(schema) if rf.json_schema.strict else schema}))
-        if self.structured_outputs is not None:
+        options = {}  # structured_outputs naming options only: they apply to another field's constraint (vLLM's merge)
+        if self.structured_outputs is not None and set(self.structured_outputs) <= STRUCTURED_OPTIONS:
+            options = self.structured_outputs
+        elif self.structured_outputs is not None:
             asked.append(("structured_outputs", self.structured_outputs))
         for name in ("json", "regex", "choice", "grammar"):
             if (value := getattr(self, f"guided_{name}")) is not None:
                 asked.append((f"guided_{name}", {name: value}))
+        if options and not asked:
+            asked.append(("structured_outputs", options))  # refused below: no constraint named
         if len(asked) > 1:
             raise ValueError(f"{asked[0][0]}: send only one of response_format, structured_outputs and guided_* "
                              f"(got {[field for field, _ in asked]})")
@@ -156,7 +163,7 @@ class _Common(Body):
             return None
         field, fields = asked[0]
         try:
-            params = StructuredOutputsParams.from_dict(fields)
+            params = StructuredOutputsParams.from_dict(options | fields)
             params.grammar_text()  # a bad schema or grammar is this request's 400, not an engine error
         except (TypeError, ValueError) as e:
             message = str(e)
@@ -226,6 +233,15 @@ class ChatMessage(Body):
             if part.type != "text":
                 raise ValueError(f"part {j} is of type {part.type!r}: this model reads text parts only")
         return content
+
+    @model_validator(mode="after")
+    def _says_something(self) -> ChatMessage:
+        # OpenAI's 400s: a null content renders as an empty turn, which no client means
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs its content")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs its content or its tool_calls")
+        return self
 
     def template_fields(self) -> dict[str, Any]:
         """The message as the chat template reads it (`jaxinfer.server.tools.template_message`)."""
@@ -352,6 +368,9 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens the prefix cache spared (OpenAI's
+    `prompt_tokens_details`)."""
+    use: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    return use if cached_tokens is None else use | {"prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -8,15 +8,19 @@ holding `output_text`, or `function_call` items. Streamed, the chat chunks becom
 Responses events (`ResponseEvents`): `response.created`, `response.output_text.delta`,
 `response.function_call_arguments.delta`, ... `response.completed`.
 
-Nothing is stored (`store` is false): `previous_response_id` is refused; send the whole
-conversation in `input`, as stateless clients do.
+Responses are kept in memory (`ResponseStore`; OpenAI's `store`, on unless a request says
+`"store": false`), so `previous_response_id` continues a conversation and `GET` / `DELETE
+/v1/responses/{id}` (and `.../input_items`) find them, until the server restarts or the store's
+capacity pushes the oldest out.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
@@ -50,15 +54,20 @@ class ResponsesRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat completion this asks for (ErrorBody 400 naming the field if it cannot be)."""
-        if self.previous_response_id is not None:
-            raise ErrorBody(400, "previous_response_id: this server stores no responses; send the whole "
-                                 "conversation in input", param="previous_response_id")
-        chat: dict[str, Any] = {"messages": self._messages(), "stream": self.stream,
+    def input_items(self) -> list[dict[str, Any]]:
+        """`input` as items: a text is one user message."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    def to_chat(self, history: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+        """The chat completion this asks for, after the items of `history` (the conversation of
+        `previous_response_id`); ErrorBody 400 naming the field if it cannot be."""
+        chat: dict[str, Any] = {"messages": self._messages(list(history)), "stream": self.stream,
                                 "stream_options": {"include_usage": True} if self.stream else None}
         chat |= {name: getattr(self, name) for name in ("temperature", "top_p") if name in self.model_fields_set}
         chat |= {name: value for name, value in (self.model_extra or {}).items() if name in CHAT_EXTRAS}
@@ -95,12 +104,12 @@ class ResponsesRequest(Body):
             field = str(first["loc"][0]) if first.get("loc") else None
             raise renamed(ErrorBody(400, f"{field}: {first.get('msg')}", param=field)) from None
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def _messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # an earlier response's instructions are not carried over (OpenAI's rule): only this one's
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
-        if isinstance(self.input, str):
-            return messages + [{"role": "user", "content": self.input}]
         thinking: dict[str, str] = {}  # a reasoning item's text, for the assistant turn after it
-        for i, item in enumerate(self.input):
+        # (history's items were checked when they were stored: indices < 0 never reach an error)
+        for i, item in enumerate(history + self.input_items(), start=-len(history)):
             kind = item.get("type", "message")
             if kind == "message":
                 role = item.get("role")
@@ -143,7 +152,7 @@ class ResponsesRequest(Body):
                 "temperature": self.temperature, "top_p": self.top_p, "tools": self.tools or [],
                 "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "text": self.text or {"format": {"type": "text"}}, "metadata": self.metadata or {},
-                "previous_response_id": None, "store": False, "user": self.user}
+                "previous_response_id": self.previous_response_id, "store": self.store, "user": self.user}
 
 
 def _text(content: Any, param: str) -> str | None:
@@ -187,7 +196,8 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
 
 def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     reasoning = chat_usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
-    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": chat_usage["total_tokens"]}
 
@@ -239,6 +249,68 @@ def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[s
                            choice["finish_reason"], completion["usage"])
 
 
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]  # as it was answered
+    input_items: list[dict[str, Any]]  # every item the model read: the earlier responses' and this input's
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """What a response continuing this one reads first: its input, then its output."""
+        return self.input_items + self.response["output"]
+
+
+class ResponseStore:
+    """Responses kept for `previous_response_id` and `GET` / `DELETE /v1/responses/{id}`: in
+    memory, the oldest dropped once more than `capacity` are kept (vLLM keeps them all)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+        items = [item if "id" in item else {"id": responses_id("msg" if item.get("type", "message") == "message"
+                                                               else "item")} | item for item in input_items]
+        self._kept[response["id"]] = StoredResponse(response, items)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        if (stored := self._kept.get(response_id)) is None:
+            raise ErrorBody(404, f"Response with id {response_id!r} not found (responses are kept in this server's "
+                                 "memory, and only those created with store true).", param=param)
+        return stored
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        self.get(response_id)
+        del self._kept[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
+        """OpenAI's list of a response's input items (`client.responses.input_items.list`)."""
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            raise ErrorBody(400, "order is 'asc' or 'desc' and limit between 1 and 100", param="order")
+        items = self.get(response_id).input_items[::-1 if order == "desc" else 1]
+        ids = [item["id"] for item in items]
+        if after is not None:
+            if after not in ids:
+                raise ErrorBody(404, f"after: no input item {after!r} in response {response_id!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = [_item_shape(item) for item in items[:limit]]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def _item_shape(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as OpenAI lists it: a message's content as typed parts."""
+    if item.get("type", "message") != "message":
+        return item
+    content = item.get("content")
+    if isinstance(content, str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        content = [{"type": kind, "text": content}]
+    return {"type": "message", "status": "completed"} | item | {"content": content or []}
+
+
 class ResponseEvents:
     """Chat chunks (one choice) -> Responses stream events."""
 
@@ -250,6 +322,7 @@ class ResponseEvents:
         self._calls: dict[int, int] = {}  # tool-call index -> its item's output index
         self._sequence = 0
         self._finish: str | None = None
+        self.final: dict[str, Any] | None = None  # the response, once the stream completed
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self._sequence} | fields  # from 0, as OpenAI counts
@@ -282,7 +355,8 @@ class ResponseEvents:
                 events += self._close(item_status(self._finish))
         if data.get("usage") is not None:
             kind = "response.incomplete" if self._finish == "length" else "response.completed"
-            events.append(self._event(kind, response=self._response(data["usage"])))
+            self.final = self._response(data["usage"])
+            events.append(self._event(kind, response=self.final))
         return events
 
     def _text(self, text: str) -> list[str]:
