@@ -212,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--formats", default="f32,bf16,int8,fp8_e4m3,fp8_e5m2,int4,int2", help="candidate formats")
     cal.add_argument("--probe", default="int4", help="format whose per-layer KL is measured; 'none' to skip")
     cal.add_argument("--margin", type=float, default=0.8, help="the plan's measured KL must be <= margin * budget")
+    cal.add_argument("--held-out-tokens", type=int, default=256,
+                     help="tokens of other text the finished plan's KL is also measured on (0: skip)")
     td = sub.add_parser("train-draft", help="train a draft for speculative decoding (self-distillation): a small "
                         "model, or an EAGLE head over the target's features", formatter_class=_DefaultsHelp)
     td.add_argument("--model", help="the target model (see `generate --model`); default: SmolLM2-135M-Instruct")
@@ -391,8 +393,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate_kv(args: argparse.Namespace) -> None:
-    from jaxinfer.calibration import calibrate_plan
-
+    from jaxinfer.calibration import calibrate_plan, evaluate_kv_cache, text_tokens
+    from jaxinfer.calibration.planner import check_budgets
     from jaxinfer.kv.formats import get_format
 
     formats = tuple(get_format(f.strip()).name for f in args.formats.split(",") if f.strip())
@@ -400,6 +402,9 @@ def cmd_calibrate_kv(args: argparse.Namespace) -> None:
         get_format(args.probe)
     if args.budget_kl is None and args.budget_out_err is None:
         raise ValueError("give --budget-kl and/or --budget-out-err")
+    check_budgets(args.budget_kl, args.budget_out_err, args.margin)  # before loading and calibrating
+    if args.held_out_tokens < 0:
+        raise ValueError(f"--held-out-tokens={args.held_out_tokens} must be >= 0")
     model = _load(args.model, args.dtype, chat_template=args.chat_template)
     plan, calib = calibrate_plan(model, args.budget_kl, args.budget_out_err, args.tokens, args.seq_len, args.page_size,
                                  formats, None if args.probe == "none" else args.probe, args.margin,
@@ -410,6 +415,13 @@ def cmd_calibrate_kv(args: argparse.Namespace) -> None:
     size = plan.bytes_per_token(c.n_kv_heads, c.head_dim, args.page_size)
     print(f"plan: {' '.join(plan.formats)}\n{size:.0f} bytes/token ({size / bf16:.3f} of a bf16 cache), "
           f"calibration KL {plan.calibration_kl:.5f}; wrote {args.out}", file=sys.stderr)
+    if args.held_out_tokens:  # text the plan was not fitted to (the calibration reads the start of the same text)
+        held_out = text_tokens(model.tokenizer, 1, args.held_out_tokens, start=60_000)
+        kl = evaluate_kv_cache(model.params, c, held_out, plan, args.page_size)["kl"]
+        over = args.budget_kl is not None and kl > args.budget_kl
+        print(f"held-out KL {kl:.5f} on {args.held_out_tokens} other tokens" +
+              (f": OVER the budget {args.budget_kl:g}; calibrate on more --tokens or lower --margin" if over else ""),
+              file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ from flax import struct
 from jaxinfer.structured_output import StructuredOutputsParams
 
 NEG_INF = -jnp.inf
-MAX_LOGPROBS = 5  # top alternatives the logprob program computes (static: one compiled shape)
+MAX_LOGPROBS = 20  # top alternatives the logprob program computes (static: one compiled shape; vLLM's default cap)
 # Top-k up to this many tokens finds its cut with a partial top-k: on XLA:CPU sorting a
 # 49,152-wide row costs ~15 ms, `lax.top_k(row, 256)` under 1 ms (BENCHMARKS.md, issue 18).
 FAST_TOP_K = 256
@@ -45,12 +45,17 @@ class SamplingParams:
     temperature below `MIN_TEMPERATURE` (it is stored as 0). Out-of-range values raise
     ValueError naming the field; `top_k` at or above the vocabulary keeps every token."""
 
+    # samples of the prompt: `Engine.generate` / `chat` return them as `RequestOutput.outputs`
+    # (sample i seeded with seed + i, given a seed); `add_request` takes one sample per request
+    n: int = 1
     temperature: float = 1.0
     top_k: int = 0  # 0 = off (so is -1, vLLM's "off", stored as 0)
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None  # None: drawn from the engine's generator
-    max_tokens: int | None = 256  # None: as many as the context leaves (the engine fills it in)
+    max_tokens: int | None = 256  # None: as many as the context leaves (the engine fills it in); vLLM's default is 16
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); None keeps it whole
+    truncate_prompt_tokens: int | None = None
     # EOS and stop_token_ids cannot be sampled, nor stop strings end the request, before this
     # many tokens are generated (vLLM's)
     min_tokens: int = 0
@@ -72,7 +77,7 @@ class SamplingParams:
     # one teacher-forced forward of the prompt (`jaxinfer.scoring.score_tokens`)
     prompt_logprobs: int | None = None
     # False: special tokens (<|im_start|>, <tool_call> where it is one) appear in the text; the
-    # EOS or stop token that ends the request never does
+    # EOS or stop token that ends the request only with include_stop_str_in_output (as in vLLM)
     skip_special_tokens: bool = True
     # What each `RequestOutput` of the request holds (vLLM's RequestOutputKind): "cumulative"
     # (everything so far), "delta" (token_ids / text / logprobs: only what is new since the
@@ -83,6 +88,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         """Range-check every field, so a request that passes can always be packed into a
         step's arrays (`SamplingArrays`): f32 temperature/top_p/min_p, i32 top_k, u32 seed."""
+        _check(_is_int(self.n) and 1 <= self.n <= INT32_MAX, f"n={self.n!r} must be a positive integer")
+        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                       and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
+               f"truncate_prompt_tokens={self.truncate_prompt_tokens!r} must be None, -1 (the context) or a positive integer")
         _check(_is_real(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
                f"temperature={self.temperature!r} must be a finite number in [0, {MAX_TEMPERATURE:g}]")
         _check(_is_int(self.top_k) and -1 <= self.top_k <= INT32_MAX,
@@ -158,6 +167,13 @@ class SamplingParams:
         return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None
                 or self.allowed_token_ids is not None)
+
+
+def truncate_prompt(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: `max_model_len`);
+    None keeps it whole."""
+    keep = max_model_len if keep == -1 else keep
+    return prompt if keep is None or len(prompt) <= keep else prompt[-keep:]
 
 
 def _check(ok: bool, message: str) -> None:

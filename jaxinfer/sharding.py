@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer import layer_stack
 from jaxinfer.config import ModelConfig
@@ -92,7 +92,7 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh data={shape[0]},model={shape[1]} needs {int(np.prod(shape))} devices, "
                          f"but {len(devices)} are available")
-    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    auto = (AxisType.Auto,) * len(AXES)
     return jax.make_mesh(shape, AXES, auto, devices=devices)
 
 
@@ -100,6 +100,11 @@ def check_mesh(mesh: Mesh, config: ModelConfig, max_slots: int | None = None) ->
     """Raise ValueError unless `config` (and `max_slots` engine slots) fit on `mesh`."""
     if tuple(mesh.axis_names) != AXES:
         raise ValueError(f"mesh axis names {tuple(mesh.axis_names)} must be {AXES}")
+    if any(kind != AxisType.Auto for kind in mesh.axis_types):  # jax.make_mesh's default is Explicit
+        raise ValueError(f"mesh axis types {tuple(k.name for k in mesh.axis_types)} must be Auto: the engine's step is "
+                         "partitioned by XLA from the weights' and cache's shardings; make the mesh with "
+                         "jaxinfer.sharding.make_mesh, or jax.make_mesh(shape, names, "
+                         "axis_types=(jax.sharding.AxisType.Auto,) * 2)")
     data, model = mesh.shape["data"], mesh.shape["model"]
     if config.n_heads % model:
         raise ValueError(f"n_heads={config.n_heads} is not divisible by the mesh's model={model} axis "

@@ -148,6 +148,10 @@ def check_meshes() -> dict:
         "pages": error_of(lambda: Engine(model, EngineConfig(max_slots=8, num_pages=33, mesh=sharding.make_mesh("data=2,model=4")))),
         "engine_heads": error_of(lambda: Engine(Model(bad_config, tiny_model(n_heads=6, n_kv_heads=2)[1], None),
                                                 EngineConfig(mesh=sharding.make_mesh("model=8")))),
+        # meshes a user makes with jax itself: other axis names, jax.make_mesh's default Explicit axes
+        "engine_axis_names": error_of(lambda: Engine(model, EngineConfig(mesh=jax.make_mesh((2, 4), ("dp", "tp"))))),
+        "explicit_axes": error_of(lambda: Engine(model, EngineConfig(max_slots=8, mesh=jax.make_mesh(
+            (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)))),
     }
     return out
 

@@ -84,6 +84,13 @@ def test_min_tokens_and_include_stop_str_in_output(eng, model):
     [out] = eng.generate([PROMPTS[0]], kept)
     assert out.text == "".join(eng.stream(PROMPTS[0], kept)) == full.text[: full.text.find(stop) + 3]
     assert out.finish_reason == "stop"
+    # a stop token's text too (vLLM's): the text of every token, the stop token's included
+    by_id = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(full.token_ids[3],))
+    kept, cut = (eng.generate([PROMPTS[0]], dataclasses.replace(by_id, include_stop_str_in_output=keep))[0]
+                 for keep in (True, False))
+    assert kept.token_ids == cut.token_ids and kept.stop_reason == full.token_ids[3]
+    tok = model.tokenizer
+    assert (kept.text, cut.text) == (tok.decode(kept.token_ids), tok.decode(kept.token_ids[:-1])) and kept.text != cut.text
 
 
 def test_chat_prompts_use_the_template(eng, model):
@@ -103,7 +110,8 @@ def test_conversations_are_prompts(eng, model):
     by_messages, by_ids = eng.generate([conversation, ids], GREEDY)
     assert by_messages.prompt_token_ids == ids and by_messages.token_ids == by_ids.token_ids
     assert eng.generate([tuple(conversation)], GREEDY, chat=True)[0].token_ids == by_ids.token_ids
-    for bad, named in [([1, 2.5], "holding float 2.5"), ([[1, 2]], "holding list"), ({"role": "user"}, "got dict"),
+    for bad, named in [([1, 2.5], "holding float 2.5"), ([[1, 2]], "holding list"),
+                       ({"role": "user"}, "a conversation is a list"),
                        ([{"role": "user"}], "content")]:
         with pytest.raises(ValueError, match=named):
             eng.add_request(bad, GREEDY)
@@ -129,6 +137,62 @@ def test_chat_renders_each_conversation_with_the_templates_options(model):
     assert two[1].token_ids == eng.generate([two[1].prompt_token_ids], GREEDY)[0].token_ids
     [cont] = eng.chat(hi + [{"role": "assistant", "content": "Hello"}], GREEDY, continue_final_message=True)
     assert tok.decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("<|im_start|>assistant\nHello")
+
+
+def test_n_samples_per_prompt_are_its_outputs(eng):
+    """vLLM's `SamplingParams(n)`: `generate` / `chat` give one output per prompt holding n
+    samples (`outputs[i]`), sample i exactly what seed + i gives alone; the output's own
+    fields are sample 0's; `cumulative_logprob` sums the logprobs. A request is one sample."""
+    params = SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = eng.generate(PROMPTS[:2], params)
+    assert len(outs) == 2
+    for prompt, out in zip(PROMPTS, outs):
+        alone = [eng.generate(prompt, dataclasses.replace(params, n=1, seed=7 + i))[0] for i in range(3)]
+        assert [(c.index, c.token_ids, c.text, c.finish_reason) for c in out.outputs] == [
+            (i, a.token_ids, a.text, a.finish_reason) for i, a in enumerate(alone)]
+        assert out.token_ids == out.outputs[0].token_ids and out.prompt == prompt
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct samples
+        assert all(c.cumulative_logprob == pytest.approx(sum(a.logprobs), abs=1e-4) for c, a in zip(out.outputs, alone))
+    unseeded = eng.generate(PROMPTS[0], dataclasses.replace(params, seed=None))[0]
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
+    [chat] = eng.chat([{"role": "user", "content": "Hi"}], dataclasses.replace(params, n=2))
+    assert len(chat.outputs) == 2 and chat.prompt.endswith("assistant\n")
+    [one] = eng.generate(PROMPTS[0], GREEDY)
+    assert [(c.token_ids, c.cumulative_logprob) for c in one.outputs] == [(one.token_ids, None)]
+    with pytest.raises(ValueError, match="n=2: a request is one sample"):
+        eng.add_request(PROMPTS[0], SamplingParams(n=2))
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="n="):
+            SamplingParams(n=bad)
+
+
+def test_vllm_prompt_dicts_names_and_truncation(eng, model):
+    """vLLM's offline API spelled its way: prompt dicts, `sampling_params=` / `use_tqdm=`,
+    `get_tokenizer()`, `chat(chat_template=)`, `truncate_prompt_tokens`, and `.prompt`."""
+    tok = model.tokenizer
+    ids = tok.encode(PROMPTS[0])
+    by_text, by_ids = eng.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], sampling_params=GREEDY,
+                                   use_tqdm=False)
+    [plain] = eng.generate(PROMPTS[0], GREEDY)
+    assert by_text.token_ids == by_ids.token_ids == plain.token_ids and by_ids.prompt_token_ids == ids
+    assert (by_text.prompt, by_ids.prompt, plain.prompt) == (PROMPTS[0], None, PROMPTS[0])
+    assert eng.generate({"prompt": PROMPTS[0]}, GREEDY)[0].token_ids == plain.token_ids  # one dict alone
+    for bad, named in [({"prompt": "x", "multi_modal_data": {}}, "multi_modal_data"), ({"prompt": [1, 2]}, "a text"),
+                       ({"prompt": "x", "prompt_token_ids": [1]}, "one of")]:
+        with pytest.raises(ValueError, match=named):
+            eng.generate(bad, GREEDY)
+    with pytest.raises(ValueError, match="not both"):
+        eng.generate(PROMPTS[0], GREEDY, sampling_params=GREEDY)
+    assert eng.get_tokenizer() is tok
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    [templated] = eng.chat([{"role": "user", "content": "Hi"}], GREEDY, chat_template=template)
+    assert templated.prompt == "[Hi]>" and templated.prompt_token_ids == tok.encode("[Hi]>", add_special_tokens=False)
+    long = (ids * 20)[:100]
+    cut = SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=30)
+    [out] = eng.generate([long], cut)
+    assert out.prompt_token_ids == long[-30:] and out.token_ids == eng.generate([long[-30:]], cut)[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
 
 
 def test_generate_rejects_a_bad_batch_without_leaving_requests_behind(eng):

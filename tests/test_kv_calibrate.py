@@ -149,6 +149,27 @@ def test_plan_within_budget_verifies_end_to_end(tiny_calibration):
     assert measured <= 0.8 * budget and abs(measured - plan.calibration_kl) <= 1e-4 * budget
 
 
+def test_plan_within_budget_takes_an_output_error_budget_and_warns_when_nothing_fits(tiny_calibration, caplog):
+    """An output-error budget alone: the cheapest plan within it, its KL measured. A KL budget
+    below every quantized plan's: the full-precision plan (KL 0); one the tightening rounds
+    do not reach: that plan too, with a warning that says so."""
+    config, params, tokens, calib = tiny_calibration
+    out_err = float(calib.out_err[..., 1].max())  # int8 fits every layer
+    plan = C.plan_within_budget(params, config, tokens, calib, budget_kl=None, budget_out_err=out_err)
+    assert plan.formats == C.plan_kv_cache(calib, budget_out_err=out_err).formats and "f32" not in plan.formats
+    assert plan.calibration_kl == pytest.approx(C.evaluate_kv_cache(params, config, tokens, plan, page_size=8)["kl"], rel=1e-4)
+    assert C.plan_within_budget(params, config, tokens, calib, budget_kl=1e-12).formats == ("f32", "f32")  # exact
+    # estimates 10x too optimistic and one round to tighten in: no measured plan fits
+    optimistic, budget = dataclasses.replace(calib, kl_layer=calib.kl_layer / 10), 0.5 * calib.kl_uniform[2]
+    with caplog.at_level("WARNING", logger="jaxinfer.calibration.planner"):
+        full = C.plan_within_budget(params, config, tokens, optimistic, budget_kl=budget, rounds=1)
+    assert full.formats == ("f32", "f32") and f"no KV-cache plan met budget_kl={budget:g}" in caplog.text
+    for bad, named in [(dict(budget_kl=-1.0), "budget_kl=-1.0"), (dict(budget_kl=None), "give a budget"),
+                       (dict(budget_kl=0.1, margin=0.0), "margin=0.0")]:
+        with pytest.raises(ValueError, match=named):
+            C.plan_within_budget(params, config, tokens, calib, **bad)
+
+
 # ---- the real model: a plan keeps its budget on held-out text -----------------------------------
 
 
@@ -187,3 +208,7 @@ def test_cli_rejects_bad_budgets_and_formats_before_loading(capsys):
     assert main(["calibrate-kv", "--budget-kl", "0.1", "--out", "x.json", "--formats", "int8,int5"]) == 2
     err = capsys.readouterr().err
     assert "'int5'" in err and "loading" not in err
+    for bad, named in [(["--budget-kl", "-1"], "budget_kl=-1.0"), (["--budget-kl", "0.1", "--margin", "2"], "margin=2.0")]:
+        assert main(["calibrate-kv", *bad, "--out", "x.json"]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "loading" not in err, err

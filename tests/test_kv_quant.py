@@ -252,9 +252,14 @@ def test_kv_cache_names_plans_and_files(tmp_path):
     plan.save(path)
     assert KVCachePlan.load(path) == plan
     assert json.loads(path.read_text())["formats"] == ["int8", "int4"]
-    for arg in (plan, path, str(path)):
+    other = tmp_path / "plan.txt"  # any existing file is a plan's path
+    other.write_text(path.read_text())
+    for arg in (plan, path, str(path), str(other), ["int8", "int4"]):
         kinds = [type(layer).__name__ for layer in init_paged_kv(config, spec, kv_cache=arg).layers]
         assert kinds == ["TokenQuantLayerKV", "KiviLayerKV"]
+    for alias, name in [("fp8", "fp8_e4m3"), ("bfloat16", "bf16"), ("float32", "f32")]:  # vLLM's and dtype names
+        assert [leaf.dtype for leaf in jax.tree.leaves(init_paged_kv(config, spec, kv_cache=alias).layers)] == [
+            leaf.dtype for leaf in jax.tree.leaves(init_paged_kv(config, spec, kv_cache=name).layers)]
     auto = init_paged_kv(config, spec)
     assert all(isinstance(layer, LayerKV) and layer.k.dtype == jnp.float32 for layer in auto.layers)
     bf16 = init_paged_kv(config, spec, kv_cache="bf16")
@@ -282,7 +287,10 @@ def test_invalid_formats_and_plans_raise_clear_errors(tmp_path):
     bad = tmp_path / "bad.json"
     for text, message in [("{not json", "not valid JSON"), ('{"layers": []}', "'formats' list"),
                           ('{"formats": ["int8", "int8"], "colour": 1}', "unknown fields"),
-                          ('{"formats": ["int8", "q9"]}', "layer 1: unknown format 'q9'")]:
+                          ('{"formats": ["int8", "q9"]}', "layer 1: unknown format 'q9'"),
+                          ('{"formats": ["int8", "int8"], "page_size": "16"}', "page_size='16' must be a positive integer"),
+                          ('{"formats": ["int8", "int8"], "budget_kl": "abc"}', "budget_kl='abc' must be a number"),
+                          ('{"formats": ["int8", "int8"], "model": 3}', "model=3 must be a string")]:
         bad.write_text(text)
         with pytest.raises(ValueError, match=message):
             init_paged_kv(config, spec, kv_cache=bad)

@@ -183,6 +183,8 @@ def test_bad_meshes_raise_clear_errors(meshes):
     assert "max_slots=6" in e["slots"] and "data=8" in e["slots"]
     assert "num_pages=33" in e["pages"] and "data=2" in e["pages"]
     assert "n_heads=6" in e["engine_heads"]
+    assert "('dp', 'tp')" in e["engine_axis_names"] and "must be ('data', 'model')" in e["engine_axis_names"]
+    assert "must be Auto" in e["explicit_axes"] and "Explicit" in e["explicit_axes"]
 
 
 def test_pmap_generate_agrees_with_engine():

@@ -252,9 +252,9 @@ BAD = [
     ({"json": {"model": NAME, "prompt": "word " * MAX_LEN}}, "prompt", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "max_tokens": MAX_LEN}}, "max_tokens", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": [10**6]}}, "prompt", "/v1/completions"),
-    ({"json": {"model": NAME, "prompt": "x", "logprobs": 6}}, "logprobs", "/v1/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "logprobs": 21}}, "logprobs", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": "x", "logprobs": -1}}, "logprobs", "/v1/completions"),
-    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6}},
+    ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}},
      "top_logprobs", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}}, "top_logprobs",
      "/v1/chat/completions"),
@@ -692,6 +692,17 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_spared(srv, client):
     assert hit == 16 * ((first.usage.prompt_tokens - 1) // 16) > 0
     r = client.responses.create(model=NAME, input=prompt[:60], max_output_tokens=1, store=False)
     assert r.usage.input_tokens_details.cached_tokens == hit
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model):
+    """vLLM's `truncate_prompt_tokens`: only the prompt's last k tokens are read."""
+    ids = model.tokenizer.encode("one two three four five six seven eight nine ten " * 6)
+    kw = dict(model=NAME, max_tokens=4, temperature=0)
+    cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 12}, **kw)
+    assert cut.usage.prompt_tokens == 12 and cut.choices[0].text == client.completions.create(prompt=ids[-12:], **kw).choices[0].text
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "x " * 100}], **kw,
+                                          extra_body={"truncate_prompt_tokens": 20})  # would not fit whole
+    assert chat.usage.prompt_tokens == 20
 
 
 def test_default_max_tokens_fits_the_context(srv, model):

@@ -9,6 +9,7 @@ a margin for unseen text). `calibrate_plan` is the whole procedure `jaxinfer cal
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import numpy as np
@@ -18,6 +19,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kv import formats as F
 from jaxinfer.kv.plan import KVCachePlan
 from jaxinfer.model.params import ModelParams
+
+logger = logging.getLogger(__name__)
 
 # ---- the planner ----------------------------------------------------------------------------
 
@@ -61,6 +64,18 @@ def choose_formats(kl: np.ndarray, sizes: np.ndarray, budget: float, allowed: np
     return choice
 
 
+def check_budgets(budget_kl: float | None, budget_out_err: float | None, margin: float = 0.8) -> None:
+    """ValueError naming the value unless at least one budget is given and each is a finite
+    number >= 0 (and the margin in (0, 1])."""
+    if budget_kl is None and budget_out_err is None:
+        raise ValueError("give a budget: budget_kl and/or budget_out_err")
+    for name, b in (("budget_kl", budget_kl), ("budget_out_err", budget_out_err)):
+        if b is not None and not (isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 and math.isfinite(b)):
+            raise ValueError(f"{name}={b!r} must be a finite number >= 0")
+    if not (isinstance(margin, (int, float)) and 0 < margin <= 1):
+        raise ValueError(f"margin={margin!r} must be in (0, 1]")
+
+
 def plan_kv_cache(calib: KVCalibration, budget_kl: float | None = None, budget_out_err: float | None = None,
                   model: str = "") -> KVCachePlan:
     """The fewest-bytes per-layer plan within the budget(s), from the calibration's estimates.
@@ -68,11 +83,7 @@ def plan_kv_cache(calib: KVCalibration, budget_kl: float | None = None, budget_o
     `budget_kl`: the summed per-layer KL estimates stay <= it. `budget_out_err`: in every layer
     and KV head the relative attention-output error stays <= it. Either or both.
     """
-    if budget_kl is None and budget_out_err is None:
-        raise ValueError("give budget_kl and/or budget_out_err")
-    for name, b in (("budget_kl", budget_kl), ("budget_out_err", budget_out_err)):
-        if b is not None and not (isinstance(b, (int, float)) and b >= 0 and math.isfinite(b)):
-            raise ValueError(f"{name}={b!r} must be a finite number >= 0")
+    check_budgets(budget_kl, budget_out_err)
     allowed = np.ones(calib.kl_layer.shape, bool)
     if budget_out_err is not None:
         allowed = calib.out_err.max(axis=1) <= budget_out_err  # the reference's error is 0: always allowed
@@ -84,23 +95,32 @@ def plan_kv_cache(calib: KVCalibration, budget_kl: float | None = None, budget_o
 
 
 def plan_within_budget(params: ModelParams, config: ModelConfig, tokens: np.ndarray, calib: KVCalibration,
-                       budget_kl: float, budget_out_err: float | None = None, margin: float = 0.8,
+                       budget_kl: float | None, budget_out_err: float | None = None, margin: float = 0.8,
                        rounds: int = 6, model: str = "") -> KVCachePlan:
     """Plan, measure the plan's KL end to end on tokens, and tighten until it is <= margin * budget.
 
     The margin leaves room for text the calibration did not see. The returned plan records
-    the measured KL as `calibration_kl`; if nothing fits, the full-precision plan is returned.
+    the measured KL as `calibration_kl`; if nothing fits, the full-precision plan is returned
+    (with a warning). With `budget_kl` None the plan is the cheapest within `budget_out_err`,
+    its KL measured.
     """
-    if not 0 < margin <= 1:
-        raise ValueError(f"margin={margin!r} must be in (0, 1]")
+    check_budgets(budget_kl, budget_out_err, margin)
+    measure = lambda plan: float(measure_plans(params, config, tokens, [plan.formats], calib.page_size,  # noqa: E731
+                                               formats=calib.formats)[0])
+    if budget_kl is None:
+        plan = plan_kv_cache(calib, None, budget_out_err, model)
+        return dataclasses.replace(plan, calibration_kl=measure(plan))
     target = margin * budget_kl
-    estimate = target
+    estimate, least = target, math.inf
     for _ in range(rounds):
         plan = plan_kv_cache(calib, estimate, budget_out_err, model)
-        kl = float(measure_plans(params, config, tokens, [plan.formats], calib.page_size, formats=calib.formats)[0])
+        kl = measure(plan)
         if kl <= target:
             return dataclasses.replace(plan, budget_kl=budget_kl, calibration_kl=kl)
+        least = min(least, kl)
         estimate *= 0.9 * target / kl
+    logger.warning("no KV-cache plan met budget_kl=%g (margin %g: KL <= %g); the closest measured %.3g, so the plan "
+                   "keeps every layer in %s", budget_kl, margin, target, least, calib.reference)
     full = (calib.reference,) * config.n_layers
     return KVCachePlan(formats=full, page_size=calib.page_size, budget_kl=budget_kl,
                        budget_out_err=budget_out_err, calibration_kl=0.0, model=model)
@@ -117,8 +137,7 @@ def calibrate_plan(model, budget_kl: float | None = None, budget_out_err: float 
     With `budget_kl` the plan is verified end to end (`plan_within_budget`); with only
     `budget_out_err` it is the cheapest format per layer within that error.
     """
-    if budget_kl is None and budget_out_err is None:
-        raise ValueError("give a budget: budget_kl and/or budget_out_err")
+    check_budgets(budget_kl, budget_out_err, margin)  # before minutes of calibration
     if model.tokenizer is None:
         raise ValueError("calibration needs a model with a tokenizer (it reads English text)")
     if n_tokens < seq_len or seq_len <= 0:
@@ -129,10 +148,5 @@ def calibrate_plan(model, budget_kl: float | None = None, budget_out_err: float 
     calib = calibrate_kv(model.params, model.config, tokens, formats, page_size, probe)
     log(calib.table())
     name = model.source.rsplit("/", 1)[-1]
-    if budget_kl is not None:
-        plan = plan_within_budget(model.params, model.config, tokens, calib, budget_kl, budget_out_err, margin, model=name)
-    else:
-        plan = plan_kv_cache(calib, None, budget_out_err, model=name)
-        kl = float(measure_plans(model.params, model.config, tokens, [plan.formats], page_size, formats=calib.formats)[0])
-        plan = dataclasses.replace(plan, calibration_kl=kl)
+    plan = plan_within_budget(model.params, model.config, tokens, calib, budget_kl, budget_out_err, margin, model=name)
     return plan, calib

@@ -132,7 +132,9 @@ class EngineConfig:
             StreamingSpec(*self.streaming)  # validates both
         if not isinstance(self.compilation_cache, (bool, str, os.PathLike)):
             raise ValueError(f"EngineConfig.compilation_cache={self.compilation_cache!r} must be True, False or a directory")
-        kv_cache_choice(self.kv_cache, self.page_size)  # a bad name, plan file or page size: refused here
+        choice = kv_cache_choice(self.kv_cache, self.page_size)  # a bad name, plan file or page size: refused here
+        if isinstance(self.kv_cache, (list, tuple)):  # per-layer names: kept as their (hashable) plan
+            object.__setattr__(self, "kv_cache", choice)
         if self.speculative is not None:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")

@@ -53,7 +53,7 @@ from jaxinfer.model.stacking import layer_runs, resolve_layer_loop, resolve_weig
 from jaxinfer.penalties import PenaltyState, init_penalty_state, set_slot, slot_history
 from jaxinfer.programs import BackgroundCompiler, CompileCounter, use_persistent_cache
 from jaxinfer.reasoning import ReasoningParser, find_reasoning_parser
-from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs
+from jaxinfer.sampling import SamplingArrays, SamplingParams, TokenLogprobs, truncate_prompt
 from jaxinfer.scoring import score_tokens
 from jaxinfer.speculative.checkpoint import load_trained_draft
 from jaxinfer.speculative.config import SpeculativeConfig, SpeculativeStats
@@ -65,14 +65,17 @@ from jaxinfer.speculative.step import DraftBatch, speculative_step
 from jaxinfer.step import PrefillBatch, StepBatch, engine_step, feed_decode_tokens, step_logits, step_logprobs
 from jaxinfer.structured_output import (AfterThinking, GrammarCompiler, GrammarMatcher, StructuredOutputsParams,
                                        allow_all)
+from jaxinfer.tokenizer import Tokenizer
 
 
 logger = logging.getLogger(__name__)
 
 STREAMING_MAX_LEN = 2**31 - 1  # a streaming sequence is bounded only by int32 lengths
 
-# A request's prompt: a text, token ids, or a conversation (message dicts for the chat template)
-Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+# A request's prompt: a text, token ids, a conversation (message dicts for the chat template), or
+# vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids}
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]] | Mapping[str, Any]
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 # A step program: (context bucket width, with a prefill group, draft block width (0 = the plain
 # step), decode rows, with penalties)
@@ -116,9 +119,9 @@ class Engine:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context {mc.max_position}")
         pages_per_seq = stream.pages_for(config.page_size) if stream else -(-max_len // config.page_size)
         # a mesh's data replicas each own max_slots / D slots and num_pages / D pages
-        data = 1 if config.mesh is None else config.mesh.shape["data"]
         if config.mesh is not None:
             sharding.check_mesh(config.mesh, mc, config.max_slots)
+        data = 1 if config.mesh is None else config.mesh.shape["data"]
         num_pages = config.num_pages or data * (config.max_slots // data * pages_per_seq + 1)
         if num_pages % data:
             raise ValueError(f"num_pages={num_pages} is not divisible by the mesh's data={data} axis "
@@ -305,7 +308,11 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        ids = self._encode(prompt, chat)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: a request is one sample; Engine.generate and chat take n (one request per "
+                             "sample), or add n requests with seeds seed + i")
+        ids, text = self._encode(prompt, chat)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if params.penalized:
             self._check_penalties(params)
         matcher = None
@@ -329,7 +336,7 @@ class Engine:
                              "tokens)")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         req = Request(request_id, ids, params, seed, self.model.config.eos_ids, self.model.tokenizer, cache_salt)
-        req.matcher = matcher
+        req.matcher, req.prompt_text = matcher, text
         if params.prompt_logprobs is not None:
             if self._channel is not None:
                 raise ValueError("prompt_logprobs is not supported yet on a mesh spanning several processes")
@@ -406,27 +413,39 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None  # (asynchronous: a step not read yet)
 
-    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
+    def _encode(self, prompt: Prompt, chat: bool) -> tuple[list[int], str | None]:
         """Token ids of a text (with `chat`, as the user's turn), a conversation (message dicts,
-        always rendered with the chat template, the assistant's turn opened) or ids as given."""
+        always rendered with the chat template, the assistant's turn opened), ids as given, or
+        a vLLM prompt dict (its text raw, without `chat`); and the text they came from."""
         tok = self.model.tokenizer
+        if isinstance(prompt, Mapping):
+            if unknown := sorted(set(prompt) - {*PROMPT_DICT_KEYS, "role"}):
+                raise ValueError(f"a prompt dict holds 'prompt' (a text) or 'prompt_token_ids'; {unknown} are not "
+                                 "supported (this engine serves text)")
+            if "role" in prompt or len(prompt) != 1:
+                raise ValueError("a prompt dict holds one of 'prompt' or 'prompt_token_ids' (a conversation is a "
+                                 f"list of message dicts), got keys {sorted(prompt)}")
+            (key, value), = prompt.items()
+            if (key == "prompt") != isinstance(value, str):
+                raise ValueError(f"{key} must be {'a text' if key == 'prompt' else 'token ids'}, got {type(value).__name__}")
+            return self._encode(value, chat=False)
         conversation = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
         if isinstance(prompt, str) or conversation:
             if tok is None:
                 raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            text = prompt
             if conversation:
-                ids = tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)
+                text = tok.apply_chat_template(prompt)
             elif chat:
-                ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
-            else:
-                ids = tok.encode(prompt)
+                text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            ids = tok.encode(text, add_special_tokens=not (conversation or chat))
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             ids = prompt.tolist() if isinstance(prompt, np.ndarray) else list(prompt)
             odd = next((i for i in ids if not isinstance(i, (int, np.integer)) or isinstance(i, bool)), None)
             if odd is not None:  # never cast: 1.5 is not a token id
                 raise ValueError("prompt must be a string, token ids or a conversation (a list of message dicts); "
                                  f"got a {type(prompt).__name__} holding {type(odd).__name__} {odd!r:.40}")
-            ids = [int(i) for i in ids]
+            ids, text = [int(i) for i in ids], None
         else:
             raise ValueError("prompt must be a string, token ids or a conversation (a list of message dicts), "
                              f"got {type(prompt).__name__}")
@@ -436,7 +455,7 @@ class Engine:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return ids
+        return ids, text
 
     # ---- iteration --------------------------------------------------------------------------
 
@@ -1064,9 +1083,19 @@ class Engine:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 chat: bool = False, progress: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion (alongside anything already queued); outputs in input order.
-        One prompt (a text, token ids, a conversation) may be given alone: a list of one output."""
+                 chat: bool = False, progress: bool = False, *,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run prompts to completion (alongside anything already queued); one output per prompt,
+        in input order, holding its `params.n` samples (`RequestOutput.outputs`; sample i seeded
+        with seed + i). One prompt (a text, token ids, a conversation, a vLLM prompt dict) may be
+        given alone: a list of one output. `sampling_params` and `use_tqdm` are vLLM's names for
+        `params` and `progress`."""
+        if sampling_params is not None:
+            if params is not None:
+                raise ValueError("pass params or sampling_params (vLLM's name for it), not both")
+            params = sampling_params
+        progress = progress if use_tqdm is None else use_tqdm
         if _is_one_prompt(prompts):
             prompts = [prompts]
         if isinstance(prompts, np.ndarray) or not isinstance(prompts, Sequence) or not prompts:
@@ -1075,27 +1104,25 @@ class Engine:
         per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
-        # only the final outputs are returned: none of the intermediate ones need copying
-        per = [dataclasses.replace(p, output_kind="final_only") if isinstance(p, SamplingParams)
-               and p.output_kind == "cumulative" else p for p in per]
-        ids = []
+        ids: list[list[str]] = []  # per prompt, its samples' request ids
         try:
             for prompt, p in zip(prompts, per):
-                ids.append(self.add_request(prompt, p, chat=chat))
+                ids.append([self.add_request(prompt, sample, chat=chat) for sample in _samples(p)])
         except ValueError:
-            for rid in ids:
+            for rid in itertools.chain.from_iterable(ids):
                 self.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        mine = set(ids)
-        bar = _progress_bar(len(ids), progress)
-        while len(final) < len(ids):
+        mine = set(itertools.chain.from_iterable(ids))
+        bar = _progress_bar(len(mine), progress)
+        while len(final) < len(mine):
             for out in self.step():
                 if out.finished and out.request_id in mine:
                     final[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [final[i] for i in ids]
+        return [final[rids[0]] if len(rids) == 1 else dataclasses.replace(final[rids[0]], samples=[final[r] for r in rids])
+                for rids in ids]
 
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's `get_default_sampling_params`: `SamplingParams` with the sampling defaults of
@@ -1106,19 +1133,31 @@ class Engine:
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Sequence[Mapping[str, Any]] | None = None,
-             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             progress: bool = False, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: a conversation (or a list of them) rendered with the chat template
-        and run to completion; one output per conversation. `chat_template_kwargs` are the
-        template's own variables (Qwen3's `enable_thinking`), `tools` the functions it shows."""
+        (or `chat_template`: a template's text or file) and run to completion; one output per
+        conversation, as `generate` gives. `chat_template_kwargs` are the template's own
+        variables (Qwen3's `enable_thinking`), `tools` the functions it shows."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tok = self.model.tokenizer
         if tok is None:
             raise ValueError("chat needs the model's tokenizer, and this model has none")
+        if chat_template is not None:
+            tok = tok.with_chat_template(chat_template)
         options = dict(chat_template_kwargs or {}) | ({} if tools is None else {"tools": list(tools)})
-        ids = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                                  continue_final_message=continue_final_message, **options),
-                          add_special_tokens=False) for c in conversations]
-        return self.generate(ids, params)
+        texts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                         continue_final_message=continue_final_message, **options)
+                 for c in conversations]
+        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], params, progress=progress,
+                             sampling_params=sampling_params, use_tqdm=use_tqdm)
+        return [_with_prompt(out, text) for out, text in zip(outs, texts)]
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """vLLM's `LLM.get_tokenizer`: the model's tokenizer (None for a checkpoint without one)."""
+        return self.model.tokenizer
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                chat: bool = False, cache_salt: str | None = None) -> Iterator[str]:
@@ -1193,12 +1232,29 @@ def drafts_by_row(drafts: DraftBatch | EagleBatch, rows: list[int], num_rows: in
     return DraftBatch(tokens=lay_out(drafts.tokens), num_draft=lay_out(drafts.num_draft), allowed=allowed)
 
 
+def _with_prompt(out: RequestOutput, text: str) -> RequestOutput:
+    """`out` (and its samples) naming `text` as their prompt."""
+    samples = None if out.samples is None else [dataclasses.replace(o, prompt=text) for o in out.samples]
+    return dataclasses.replace(out, prompt=text, samples=samples)
+
+
+def _samples(params: SamplingParams) -> list[SamplingParams]:
+    """One request's params per sample of `params.n` (sample i seeded with seed + i, as the
+    server's choices), each giving only its final output (nothing in between is copied)."""
+    if not isinstance(params, SamplingParams):
+        return [params]  # refused by add_request, by name
+    kind = "final_only" if params.output_kind == "cumulative" else params.output_kind
+    seeds = [None] * params.n if params.seed is None else [(params.seed + i) % 2**32 for i in range(params.n)]
+    return [dataclasses.replace(params, n=1, seed=seed, output_kind=kind) for seed in seeds]
+
+
 def _is_one_prompt(prompts: Any) -> bool:
-    """A text, a 1-d array or list of token ids, or a conversation (a list of message dicts)."""
-    if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+    """A text, a 1-d array or list of token ids, a conversation (a list of message dicts), or
+    a vLLM prompt dict."""
+    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
         return True
-    return (isinstance(prompts, (list, tuple)) and bool(prompts)
-            and isinstance(prompts[0], (Mapping, int, np.integer)))
+    first = prompts[0] if isinstance(prompts, (list, tuple)) and prompts else None
+    return isinstance(first, (int, np.integer)) or (isinstance(first, Mapping) and not set(first) & set(PROMPT_DICT_KEYS))
 
 
 def _abstract(tree):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 
 from jaxinfer.sampling import SamplingParams, TokenLogprobs
@@ -47,9 +48,25 @@ class RequestMetrics:
         return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a prompt, as vLLM's `RequestOutput.outputs[i]` holds it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # the sum of `logprobs` (None without them)
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
 @dataclasses.dataclass
 class RequestOutput:
-    """What `Engine.step` reports for a request that made progress."""
+    """What `Engine.step` reports for a request that made progress. The fields are one
+    sample's; `outputs` lists every sample of the prompt (vLLM's view: several from
+    `Engine.generate` with `SamplingParams(n > 1)`, whose fields are then sample 0's)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -74,6 +91,18 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None  # with finish_reason "error": why the engine stopped the request
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    samples: list[RequestOutput] | None = None  # with n > 1 (`Engine.generate`): the n samples, this one first
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' logprobs (vLLM's): the sample's log-likelihood, given logprobs."""
+        return None if self.logprobs is None else math.fsum(self.logprobs)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(i, o.text, o.token_ids, o.cumulative_logprob, o.logprobs, o.top_logprobs,
+                                 o.finish_reason, o.stop_reason) for i, o in enumerate(self.samples or [self])]
 
 
 class Request:
@@ -91,6 +120,7 @@ class Request:
                  eos_ids: tuple[int, ...], tokenizer: Tokenizer | None, cache_salt: str | None):
         self.request_id = request_id
         self.prompt = prompt
+        self.prompt_text: str | None = None  # the text `prompt` came from, if any (`RequestOutput.prompt`)
         self.params = params
         self.seed = seed
         self.eos_ids = eos_ids
@@ -181,8 +211,8 @@ class Request:
             self.finish_reason = "stop"
         elif token in p.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
-        elif self._decoder is not None:
-            self._append_text(self._decoder.push(token))
+        if self._decoder is not None and (self.finish_reason is None or p.include_stop_str_in_output):
+            self._append_text(self._decoder.push(token))  # a stop token's text: only if asked for (vLLM's)
         if self.finish_reason is None and self.matcher is not None and self.matcher.done:
             self.finish_reason = "stop"  # the output is complete: its grammar allows nothing more (EOS aside)
         if self.finish_reason is None and len(self.generated) >= p.max_tokens:
@@ -239,7 +269,7 @@ class Request:
             finish_reason=self.finish_reason, metrics=self.metrics, stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else self.logprobs[since:],
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[since:],
-            prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_tops,
+            prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_tops, prompt=self.prompt_text,
         )
 
     def error_output(self, message: str) -> RequestOutput:
@@ -249,5 +279,5 @@ class Request:
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=list(emitted),
             text=self.text[: self._emitted_text], delta_token_ids=[], delta_text="", finished=True,
-            finish_reason="error", metrics=self.metrics, error=message,
+            finish_reason="error", metrics=self.metrics, error=message, prompt=self.prompt_text,
         )

@@ -6,7 +6,7 @@
     dense.py, token_quant.py, kivi.py, latent.py    one module per format
     streaming.py      StreamingLLM rings (sinks + recent window)
     paged_state.py    PagedKVState (all layers + block tables + lengths), init_paged_kv, write_indices
-    plan.py, calibrate.py    per-layer format plans and measuring their error
+    plan.py           per-layer format plans (measured and chosen by `jaxinfer.calibration`)
     allocator.py, prefix_cache.py, footprint.py, mesh_layout.py    host bookkeeping and layout
 """
 

@@ -1,7 +1,8 @@
 """Per-layer KV-cache format plans: which storage format each layer's cache uses.
 
 `init_paged_kv(config, spec, kv_cache=...)` (and the engine's `EngineConfig(kv_cache=...)`)
-accepts a format name for every layer, a `KVCachePlan`, or the path of a plan's JSON file::
+accepts a format name for every layer, a list of names (one per layer), a `KVCachePlan`, or
+the path of a plan's JSON file::
 
     {"kind": "jaxinfer.kv_cache_plan", "version": 1,
      "formats": ["int8", "int4", ...],          # one per layer
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from jaxinfer.kv.formats import DENSE_FORMAT_OF_DTYPE, FORMAT_NAMES, FORMATS, get_format
@@ -41,6 +43,14 @@ class KVCachePlan:
         for i, name in enumerate(self.formats):
             if name not in FORMATS:
                 raise ValueError(f"KV-cache plan layer {i}: unknown format {name!r}; valid formats: {', '.join(FORMAT_NAMES)}")
+        if self.page_size is not None and not (_is_int(self.page_size) and self.page_size > 0):
+            raise ValueError(f"KV-cache plan page_size={self.page_size!r} must be a positive integer")
+        for name in ("budget_kl", "budget_out_err", "calibration_kl"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"KV-cache plan {name}={value!r} must be a number >= 0")
+        if not isinstance(self.model, str):
+            raise ValueError(f"KV-cache plan model={self.model!r} must be a string (the model's name)")
 
     @property
     def n_layers(self) -> int:
@@ -81,23 +91,37 @@ class KVCachePlan:
         return cls.from_json(path.read_text())
 
 
-KVCacheArg = str | os.PathLike | KVCachePlan
+KVCacheArg = str | os.PathLike | KVCachePlan | Sequence[str]
+
+# other names of formats: vLLM's `--kv-cache-dtype` values and dtype names
+FORMAT_ALIASES = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float32": "f32"}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def kv_cache_choice(kv_cache: KVCacheArg, page_size: int | None = None) -> KVCachePlan | str:
-    """`kv_cache` checked: a `KVCachePlan` (given, or read from its JSON file) or a format
-    name ("auto" or one of `FORMAT_NAMES`). A plan with KIVI layers (int4 / int2: a key scale
-    per channel per page) holds its error budget only at the page size it was calibrated
-    at: another `page_size` is refused."""
+    """`kv_cache` checked: a `KVCachePlan` (given, as a list of per-layer format names, or
+    read from its JSON file) or a format name ("auto", one of `FORMAT_NAMES`, or vLLM's
+    spelling in `FORMAT_ALIASES`). A plan with KIVI layers (int4 / int2: a key scale per
+    channel per page) holds its error budget only at the page size it was calibrated at:
+    another `page_size` is refused."""
+    if isinstance(kv_cache, str):
+        kv_cache = FORMAT_ALIASES.get(kv_cache, kv_cache)
     if isinstance(kv_cache, KVCachePlan):
         plan = kv_cache
-    elif isinstance(kv_cache, os.PathLike) or (isinstance(kv_cache, str) and kv_cache.endswith(".json")):
-        plan = KVCachePlan.load(kv_cache)
+    elif isinstance(kv_cache, (list, tuple)):
+        plan = KVCachePlan(formats=kv_cache)
     elif kv_cache == "auto" or (isinstance(kv_cache, str) and kv_cache in FORMATS):
         return kv_cache
+    elif isinstance(kv_cache, os.PathLike) or (isinstance(kv_cache, str) and (kv_cache.endswith(".json")
+                                                                              or Path(kv_cache).is_file())):
+        plan = KVCachePlan.load(kv_cache)
     else:
-        raise ValueError(f"unknown kv_cache={kv_cache!r}: use 'auto', a format name ({', '.join(FORMAT_NAMES)}), "
-                         "a KVCachePlan or the path of a plan's JSON file")
+        raise ValueError(f"unknown kv_cache={str(kv_cache)[:200]!r}: use 'auto', a format name "
+                         f"({', '.join(FORMAT_NAMES)}), a list of them (one per layer), a KVCachePlan or the path of "
+                         "a plan's JSON file")
     per_page = sorted({f for f in plan.formats if get_format(f).has_tail})
     if per_page and None not in (page_size, plan.page_size) and page_size != plan.page_size:
         raise ValueError(f"KV-cache plan was calibrated at page_size={plan.page_size} and its {per_page} layers quantize "

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxinfer import __version__
 from jaxinfer.loading import sampling_defaults
+from jaxinfer.sampling import truncate_prompt
 from jaxinfer.scoring import score_tokens
 from jaxinfer.server.logprobs import chat_logprobs, completion_logprobs, join_logprobs, tokens_of, vllm_prompt_logprobs
 from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
@@ -106,7 +107,9 @@ class OpenAIServer:
                 raise ErrorBody(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
             else:
                 ids = list(one)
-            prompts.append((one if isinstance(one, str) else None, self._check_length(ids, "prompt", generating)))
+            ids = self._check_length(truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len), "prompt",
+                                     generating)
+            prompts.append((one if isinstance(one, str) else None, ids))
         return prompts
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
@@ -115,7 +118,8 @@ class OpenAIServer:
                                  "--chat-template", param="chat_template")
         tools = body.template_tools()
         options = body.template_options() | ({} if tools is None else {"tools": tools})
-        return self._check_length(self.messages_ids(body.messages, options), "messages")
+        ids = self.messages_ids(body.messages, options)
+        return self._check_length(truncate_prompt(ids, body.truncate_prompt_tokens, self.max_model_len), "messages")
 
     def messages_ids(self, messages: list[ChatMessage], options: dict[str, Any]) -> list[int]:
         """The token ids of `messages` rendered with the chat template; `options` are

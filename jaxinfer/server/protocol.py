@@ -106,6 +106,7 @@ class _Common(Body):
     cache_salt: str | None = None  # extra; defaults to `user`: tenants never share prefix pages
     # extra (vLLM's): each prompt token's logprob, rank and this many alternatives (not streamed)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # extra (vLLM's): keep the prompt's last k tokens (-1: the context)
 
     def sampling_params(self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (choice i of a seeded request uses seed + i). `defaults`
