@@ -374,8 +374,12 @@ def _report_speed(engine, wall: float) -> None:
     decode_tokens = sum(m.num_generated_tokens - 1 for m in done)
     decode_time = max(m.last_token_time for m in done) - min(m.first_token_time for m in done)
     print(f"prompt: {prompt_tokens} tokens, {prompt_tokens / max(ttft, 1e-9):.1f} tok/s (includes compile); "
-          f"decode: {decode_tokens} tokens, {decode_tokens / max(decode_time, 1e-9):.1f} tok/s; wall {wall:.1f} s",
-          file=sys.stderr)
+          f"decode: {decode_tokens} tokens, {decode_tokens / max(decode_time, 1e-9):.1f} tok/s (includes compiling "
+          f"programs first needed then; the compilation cache spares the next run); wall {wall:.1f} s", file=sys.stderr)
+    spec = engine.metrics().speculative
+    if spec is not None and spec.target_calls:
+        print(f"speculation: {spec.tokens_per_call:.2f} tokens per target call, {spec.acceptance_rate:.2f} of drafts "
+              f"accepted (--stats: per position)", file=sys.stderr)
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

@@ -96,7 +96,7 @@ def chunked_prefill_tpu(
 ) -> jax.Array:
     """Attention of a chunk of queries through block tables -> [B, T, Hq, Dh] (module docstring)."""
     b, t, hq, dh = q.shape
-    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots
+    slots = pages.row_slots(slots, b)
     pages.validate()
     check_prefill_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)

@@ -58,6 +58,17 @@ class KernelPages:
     def is_kivi(self) -> bool:
         return self.format in ("int4", "int2")
 
+    def row_slots(self, slots: jax.Array | None, batch: int) -> jax.Array:
+        """i32[B]: each row's cache slot. KIVI pages keep each slot's current page in a tail,
+        which the engine's rows do not find by their index: the caller names the slots.
+        Other formats read no tail (None: rows 0..B-1)."""
+        if slots is not None:
+            return slots
+        if self.k_tail is not None:
+            raise ValueError(f"the {self.format!r} pages keep each slot's current page in a tail: pass slots= "
+                             "(i32[B]: each row's cache slot)")
+        return jnp.arange(batch, dtype=jnp.int32)
+
     @property
     def bits(self) -> int:
         return F.get_format(self.format).bits if self.is_kivi else 0

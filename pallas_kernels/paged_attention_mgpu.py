@@ -569,11 +569,11 @@ def paged_decode_mgpu(
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention through block tables -> [B, Hq, Dh]: the contract of `paged_decode_gpu`
-    (`slots`: each row's cache slot, whose tail holds a KIVI sequence's current page; default
-    arange(B)). Rows are the query heads; the key axis is split over `k_splits` programs
+    (`slots`: each row's cache slot, whose tail holds a KIVI sequence's current page; required
+    for KIVI pages, else default arange(B)). Rows are the query heads; the key axis is split over `k_splits` programs
     (flash-decoding). `interpret=True` runs jax's GPU interpreter on CPU."""
     b, hq, dh = q.shape
-    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots
+    slots = pages.row_slots(slots, b)
     query_pos = lengths - 1 if query_pos is None else query_pos
     pages.validate()
     check_decode_shapes(q, pages, block_tables, lengths, query_pos)
@@ -611,9 +611,9 @@ def chunked_prefill_mgpu(
     queries x the G query heads reading it (row r = t * G + g; 128 rows past G = 64), so the
     tensor cores work on that head's keys only. int8 / fp8 / KIVI pages: a program owns all heads
     (their scales are one row per page) and block_q = 64 / Hq queries (row r = t * Hq + h).
-    `slots`: each row's cache slot (KIVI tails; default arange(B))."""
+    `slots`: each row's cache slot (KIVI tails: required; other formats: default arange(B))."""
     b, t, hq, dh = q.shape
-    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots
+    slots = pages.row_slots(slots, b)
     pages.validate()
     check_prefill_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)

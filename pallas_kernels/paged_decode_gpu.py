@@ -17,7 +17,7 @@ Shapes::
     lengths       i32[B]                 keys cached per sequence (this step's included)
     query_pos     i32[B]                 cache position of each query (default lengths - 1)
     sink_logits   f32[Hq] | None
-    slots         i32[B] | None          cache slot of each row (KIVI tails; default arange(B))
+    slots         i32[B] | None          cache slot of each row (KIVI tails: required; else default arange(B))
     ->            [B, Hq, Dh]            q.dtype
 
 Grid (B, Hkv / H, k_splits). Program (b, h, s) takes H consecutive KV heads and the G = Hq / Hkv
@@ -102,7 +102,7 @@ def paged_decode_gpu(
     """Decode attention through block tables -> [B, Hq, Dh] (see the module docstring)."""
     b, hq, dh = q.shape
     query_pos = lengths - 1 if query_pos is None else query_pos
-    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots
+    slots = pages.row_slots(slots, b)
     pages.validate()
     check_decode_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)

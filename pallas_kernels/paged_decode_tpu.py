@@ -100,7 +100,7 @@ def paged_decode_tpu(
     """Decode attention through block tables -> [B, Hq, Dh] (see the module docstring)."""
     b, hq, dh = q.shape
     query_pos = lengths - 1 if query_pos is None else query_pos
-    slots = jnp.arange(b, dtype=jnp.int32) if slots is None else slots
+    slots = pages.row_slots(slots, b)
     pages.validate()
     check_decode_shapes(q, pages, block_tables, lengths, query_pos)
     check_sink_logits(sink_logits, hq)

@@ -48,6 +48,9 @@ def test_generate_and_convert_round_trip(smollm2_gguf, tmp_path):
     assert stats["tokens_per_call"] == round(stats["emitted"] / stats["target_calls"], 4)
     assert stats["emitted"] >= stats["target_calls"] > 0 and sum(stats["drafted"]) > 0  # the prompt has repeats
     assert len(stats["acceptance_per_position"]) == 3
+    line = re.search(r"^speculation: ([\d.]+) tokens per target call, ([\d.]+) of drafts accepted", speculative.stderr, re.M)
+    assert float(line.group(1)) == pytest.approx(stats["tokens_per_call"], abs=0.01)
+    assert float(line.group(2)) == pytest.approx(stats["acceptance_rate"], abs=0.01)
     penalized = jaxinfer("generate", "--model", str(dst), "--repetition-penalty", "2", *args)
     assert penalized.stdout.strip() and penalized.stdout != from_gguf.stdout
 

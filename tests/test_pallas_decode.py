@@ -37,6 +37,22 @@ def test_gpu_decode_every_format(fmt, dtype):
     assert_close(_run(paged_decode_gpu, case), reference(case), dtype)
 
 
+@pytest.mark.parametrize("kernel", [paged_decode_gpu, paged_decode_tpu])
+def test_kivi_pages_need_the_rows_slots(kernel):
+    """A KIVI sequence's current page is in its slot's tail, and row b is not slot b: without
+    `slots` the kernel refuses, as the dispatch does (it read other slots' tails). Other formats
+    read no tail: rows are their own slots."""
+    case = make_case("int4", "float32", [5, 9])
+    pages = from_layer_kv(case.layer)
+    with pytest.raises(ValueError, match="pass slots="):
+        kernel(case.q[:, 0], pages, case.block_tables, case.lengths, case.query_index[:, 0], scale=case.scale,
+               interpret=True)
+    dense = make_case("dense", "float32", [5, 9])
+    out = kernel(dense.q[:, 0], from_layer_kv(dense.layer), dense.block_tables, dense.lengths, dense.query_index[:, 0],
+                 scale=dense.scale, interpret=True)
+    assert_close(out[:, None], reference(dense), "float32")
+
+
 @pytest.mark.parametrize("fmt", ["dense", "int4"])
 def test_gpu_decode_window_sinks_softcap_split_k(fmt):
     """Sliding window + sink tokens + soft cap + sink logits; pages wholly behind the window are

@@ -34,6 +34,8 @@ def test_resolve_impl_on_cpu():
         dispatch.resolve_impl("triton", q, layer)
     with pytest.raises(ValueError, match="no Pallas attention kernel reads a object cache"):
         dispatch.resolve_impl("pallas", q, object())
+    with pytest.raises(ValueError, match="target='cuda' must be 'gpu' or 'tpu'"):
+        dispatch.unsupported_reason(q, layer, "cuda", interpret=False)
 
 
 def test_compiled_gpu_kernels_refuse_shapes_triton_cannot_take():

@@ -73,3 +73,40 @@ def test_command_line_filters_the_matrix(capsys):
     with pytest.raises(SystemExit) as exit_:
         lowering.main(["--help"])
     assert exit_.value.code == 0 and "--kernel" in capsys.readouterr().out
+
+
+def test_the_dispatch_exports_real_kernels_under_target_platform():
+    """A model's attention exported from this CPU for a TPU or GPU holds that device's kernel
+    (a Mosaic TPU / Triton custom call) under `target_platform`; without it, the dispatch traced
+    here picks the reference ("auto") or the interpreter (a kernel impl), never a kernel call."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.attention import paged_attention, target_platform
+    from jaxinfer.kv.dense import LayerKV
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, 1, 8, 64), jnp.bfloat16), LayerKV(sds((9, 16, 2, 64), jnp.bfloat16), sds((9, 16, 2, 64), jnp.bfloat16)),
+            sds((2, 4), jnp.int32), sds((2,), jnp.int32), sds((2, 1), jnp.int32))
+    tpu = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="TPU v5e", num_cores=1, platform="tpu"))
+    triton = [jax.export.DisabledSafetyCheck.custom_call(lowering.CUSTOM_CALL["cuda_sm90"])]
+
+    def export(impl: str, platform: str | None, to: str) -> str:
+        """`impl` traced as if for `platform` (None: this CPU's own view), exported for `to`."""
+        fn = jax.jit(lambda q, layer, bt, lengths, qi: paged_attention(q, layer, bt, lengths, qi, 0.125, impl=impl))
+        with target_platform(platform) if platform else contextlib.nullcontext():
+            if to == "cuda":
+                return jax.export.export(fn, platforms=["cuda"], disabled_checks=triton)(*args).mlir_module()
+            with jax.sharding.use_abstract_mesh(tpu):
+                return jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
+
+    assert "tpu_custom_call" in export("auto", "tpu", "tpu") and "tpu_custom_call" in export("pallas_tpu", "tpu", "tpu")
+    assert lowering.CUSTOM_CALL["cuda_sm90"] in export("auto", "gpu", "cuda")
+    assert "tpu_custom_call" not in export("pallas_tpu", None, "tpu") + export("auto", None, "tpu")
+    assert lowering.CUSTOM_CALL["cuda_sm90"] not in export("pallas_gpu", None, "cuda")  # interpreted: traced on a CPU
+    with pytest.raises(ValueError, match="'gpu' or 'tpu'"):
+        with target_platform("cuda"):
+            pass

@@ -40,6 +40,17 @@ def test_reference_matches_hand_computed_values(options, expected):
     np.testing.assert_allclose(float(out[0, 0, 0, 0]), expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("options,expected", HAND, ids=["causal", "window", "sinks", "sink_logit", "soft_cap"])
+def test_a_padded_query_row_is_zero(options, expected):
+    """A chunk's padding row (query_index -1) sees no key: its output is 0, as the kernels give,
+    whatever the other rows of its sequence see."""
+    k = jnp.array([0.0, math.log(2.0), math.log(3.0), jnp.nan]).reshape(2, 2, 1, 1)
+    v = jnp.array([1.0, 2.0, 3.0, jnp.nan]).reshape(2, 2, 1, 1)
+    q, table, lengths, query = jnp.ones((1, 2, 1, 1)), jnp.array([[0, 1]]), jnp.array([3]), jnp.array([[2, -1]])
+    out = paged_attention_reference(q, LayerKV(k, v), table, lengths, query, 1.0, **options)
+    np.testing.assert_allclose(np.asarray(out[0, :, 0, 0]), [expected, 0.0], rtol=1e-6)
+
+
 def _pages_needed(length, q_lo, q_hi, page, window, sinks):
     """Brute force: logical pages holding a key visible to some query in [q_lo, q_hi]."""
     need = set()
@@ -82,3 +93,17 @@ def test_bad_options_and_formats_raise():
         KernelPages(jnp.zeros((2, 2, 1, 4), jnp.int8), jnp.zeros((2, 2, 1, 4), jnp.int8), format="int8").validate()
     with pytest.raises(ValueError, match="no Pallas attention kernel"):
         from_layer_kv(object())
+
+
+def test_the_reference_names_a_misshapen_batch():
+    """What the kernels' checks name, the reference (what "auto" runs on CPU) names too."""
+    layer = LayerKV(jnp.zeros((3, 4, 2, 16)), jnp.zeros((3, 4, 2, 16)))
+    q, tables, lengths, query = jnp.zeros((2, 1, 4, 16)), jnp.zeros((2, 2), jnp.int32), jnp.ones(2, jnp.int32), \
+        jnp.zeros((2, 1), jnp.int32)
+    for args, named in [((q, tables[0], lengths, query), r"block_tables shape \(2,\) must be \[B, max_pages\]"),
+                        ((q, jnp.zeros((3, 2), jnp.int32), lengths, query), r"block_tables shape \(3, 2\)"),
+                        ((q, tables, jnp.ones(3, jnp.int32), query), r"kv_lengths shape \(3,\) must be \[B\]"),
+                        ((q, tables, lengths, query[:, 0]), r"query_index shape \(2,\) must be \[B, T\]"),
+                        ((q[:, 0], tables, lengths, query), r"q shape \(2, 4, 16\) must be \[B, T, Hq, Dh\]")]:
+        with pytest.raises(ValueError, match=named):
+            paged_attention_reference(args[0], layer, *args[1:], 1.0)

@@ -7,9 +7,9 @@
     rope.py        rotary position embeddings
 """
 
-from jaxinfer.attention.dispatch import IMPLS, mla_attention, paged_attention, streaming_attention
+from jaxinfer.attention.dispatch import IMPLS, mla_attention, paged_attention, streaming_attention, target_platform
 from jaxinfer.attention.reference import (mla_attention_reference, paged_attention_reference,
                                           streaming_attention_reference)
 
 __all__ = ["IMPLS", "mla_attention", "mla_attention_reference", "paged_attention", "paged_attention_reference",
-           "streaming_attention", "streaming_attention_reference"]
+           "streaming_attention", "streaming_attention_reference", "target_platform"]

@@ -39,6 +39,10 @@ loads Pallas.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 
 from jaxinfer.attention.reference import (absorb_query, expand_latent_output, mla_attention_reference,
@@ -68,7 +72,20 @@ def paged_attention(
     slots: jax.Array | None = None,  # i32[B]: cache slot of each row (KIVI tails)
     impl: str = "auto",
 ) -> jax.Array:
-    """Causal GQA attention through block tables -> [B, T, Hq, Dh] (dtype of q), by `impl`."""
+    """Causal GQA attention through block tables -> [B, T, Hq, Dh] (dtype of q), by `impl`.
+
+    q: [B, T, Hq, Dh], already rotated; query head h reads KV head h // (Hq / Hkv) (heads
+    grouped contiguously). layer_kv: one layer's cache (any format of `jaxinfer.kv`) with this
+    step's keys and values already written. block_tables: i32[B, max_pages], row b's logical
+    page j at pool page block_tables[b, j]. kv_lengths: i32[B], tokens cached per sequence.
+    query_index: i32[B, T], each query's cache position: it sees keys at positions <= it (and
+    within `window`, or among the first `num_sinks`); -1 marks a padding query, whose output
+    is 0. slots: i32[B], each row's cache slot, required for KIVI (int4 / int2) caches, whose
+    current page sits in a per-slot tail. `window`, `num_sinks`, `sink_logits` (f32[Hq], one
+    extra logit per head in the softmax's denominator), `soft_cap` (cap * tanh(score / cap)) are
+    the variants' masks. `impl`: "auto", "reference", "pallas", "pallas_gpu", "pallas_tpu"
+    (module docstring). The decode kernels underneath take q [B, Hq, Dh] and one position
+    per row; this entry takes every T and splits decode (T == 1) from chunked prefill."""
     target, interpret = resolve_impl(impl, q, layer_kv)
     if target is None:
         return paged_attention_reference(q, layer_kv, block_tables, kv_lengths, query_index, scale, window=window,
@@ -157,9 +174,33 @@ def require_reference(impl: str, variant: str) -> None:
                          "use attention_impl='reference' or 'auto'")
 
 
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str) -> Iterator[None]:
+    """Trace attention as if for `platform` ("gpu" | "tpu") instead of this machine's backend:
+    the kernels lowered for it (not interpreted) and "auto" choosing them, so
+    `jax.export(..., platforms=["tpu" | "cuda"])` of code that calls the dispatch (a model's
+    `forward`) holds the real kernels. Off the device, GPU programs take the Triton kernels
+    (what runs before Hopper). Exporting for TPU also needs an abstract TPU device (the chip
+    the Mosaic lowering targets) and for CUDA the Triton custom call's safety check disabled:
+    see `pallas_kernels.lowering.lower` and the README's Pallas kernels section. `jax.jit`
+    caches a trace by its arguments, not by this context: export a function not already
+    traced outside it (a fresh `jax.jit`)."""
+    if platform not in ("gpu", "tpu"):
+        raise ValueError(f"platform={platform!r} must be 'gpu' or 'tpu'")
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
 def backend() -> str:
-    """The platform programs compile for ("cpu" | "gpu" | "tpu"): jax's default backend."""
-    return jax.default_backend()
+    """The platform programs compile for ("cpu" | "gpu" | "tpu"): jax's default backend, or the
+    one `target_platform` names."""
+    return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 def kernels_by_default(impl: str) -> bool:
@@ -188,6 +229,8 @@ def gpu_kernel_family(pages, q_heads: int, decode: bool, interpret: bool) -> str
 
 def hopper() -> bool:
     """Is the default device a Hopper GPU (compute capability 9.x), what Mosaic GPU's wgmma needs?"""
+    if _TARGET_PLATFORM.get() is not None:
+        return False  # traced for a device this machine does not have
     device = jax.devices()[0]
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
@@ -217,7 +260,11 @@ def resolve_impl(impl: str, q: jax.Array, layer_kv: LayerCache) -> tuple[str | N
 
 
 def unsupported_reason(q: jax.Array, layer_kv: LayerCache, target: str, interpret: bool) -> str | None:
-    """Why the `target` kernels cannot take this cache and these shapes (None: they can)."""
+    """Why the `target` ("gpu" | "tpu") kernels cannot take this cache and these shapes (None:
+    they can). For "tpu" only the cache is checked: the Mosaic TPU lowering takes any shape its
+    Python side accepts, and what libtpu then refuses is known only on a TPU."""
+    if target not in ("gpu", "tpu"):
+        raise ValueError(f"target={target!r} must be 'gpu' or 'tpu'")
     from pallas_kernels.formats import from_layer_kv
 
     try:

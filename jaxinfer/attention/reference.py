@@ -34,8 +34,8 @@ from jaxinfer.kv.latent import LatentKV
 from jaxinfer.kv.layer_cache import LayerCache
 from jaxinfer.kv.streaming import StreamingSpec, ring_logical_index
 
-# Finite, so a row with no visible key gives a uniform softmax over zeroed values
-# (output 0) instead of NaN.
+# Finite, so a row with no visible key gets finite weights instead of NaN (its output is
+# then set to 0, `attention_output`).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Decode rows (one query each) over at most this many KV heads take `decode_attention`,
 # which spends KV-heads times the attention FLOPs to skip two copies of the gathered KV.
@@ -65,6 +65,7 @@ def paged_attention_reference(
     request's KV, a released page behind the window, NaN) cannot leak.
     """
     check_mask_options(q.shape[2], window, num_sinks, sink_logits, soft_cap)
+    check_batch_shapes(q, block_tables, kv_lengths, query_index)
     k, v = layer_kv.gather(block_tables, kv_lengths, slots)  # [B, S, Hkv, Dh] each, dequantized
     check_heads(q, k)
     key_index = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]  # [1, S]
@@ -85,6 +86,22 @@ def check_mask_options(num_heads: int, window, num_sinks, sink_logits, soft_cap)
         raise ValueError(f"soft_cap={soft_cap!r} must be None or positive")
     if sink_logits is not None and tuple(sink_logits.shape) != (num_heads,):
         raise ValueError(f"sink_logits has shape {tuple(sink_logits.shape)}, expected ({num_heads},)")
+
+
+def check_batch_shapes(q: jax.Array, block_tables: jax.Array, kv_lengths: jax.Array, query_index: jax.Array) -> None:
+    """Trace-time check of the batch's arrays against q [B, T, Hq, Dh] (ValueError naming the
+    array and the shape it must have)."""
+    if q.ndim != 4:
+        raise ValueError(f"q shape {tuple(q.shape)} must be [B, T, Hq, Dh]")
+    b, t = q.shape[:2]
+    for name, array, want, form in (("block_tables", block_tables, None, "[B, max_pages]"),
+                                    ("kv_lengths", kv_lengths, (b,), "[B]"),
+                                    ("query_index", query_index, (b, t), "[B, T]")):
+        shape = tuple(array.shape)
+        bad = (len(shape) != 2 or shape[0] != b) if want is None else shape != want
+        if bad:
+            raise ValueError(f"{name} shape {shape} must be {form} = {want or (b, 'max_pages')} for q of shape "
+                             f"{tuple(q.shape)}")
 
 
 def check_heads(q: jax.Array, k: jax.Array) -> None:
@@ -150,6 +167,9 @@ def attention_output(
     weights = jnp.exp(scores - top)  # unnormalised probabilities
     total = weights.sum(axis=-1, keepdims=True) + (0.0 if sink_logits is None else jnp.exp(sink - top))
     out = jnp.einsum("bkgts,bskd->bkgtd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32) / total
+    # a row that sees no key (a padded query) is 0, as in the kernels: its uniform weights would
+    # average the values the sequence's other rows see
+    out = jnp.where(visible.any(axis=-1)[:, None, None, :, None], out, 0)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g, v.shape[-1])
 
 

@@ -281,8 +281,8 @@ def running_usage(body: _Common) -> Callable[[int, int], dict | None]:
 
 
 def cached_prompt(out) -> int:
-    """A finished choice's prompt tokens the prefix cache spared (the prompt counts once: its
-    first choice's)."""
+    """The prompt tokens the prefix cache spared a finished choice (the usage counts each
+    prompt once: its first choice's)."""
     return out.metrics.num_cached_prompt_tokens
 
 

@@ -107,7 +107,8 @@ def _speculative_lines(s: SpeculativeStats) -> list[str]:
                  s.acceptance_rate if s.drafted.any() else math.nan),
         *_scalar("gauge", "jaxinfer_spec_tokens_per_call", "Tokens emitted per target forward of a decoding row; NaN "
                  "until a row decodes.", s.tokens_per_call if s.target_calls else math.nan),
-        f"# HELP {name} P(draft i accepted | verified), i = 0 for the first draft; NaN until one is verified.",
+        f"# HELP {name} Share of the drafts at position i (0: the first) accepted, drafts 0..i all accepted; NaN "
+        "until one is verified.",
         f"# TYPE {name} gauge",
         *per_position,
     ]

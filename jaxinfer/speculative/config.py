@@ -97,8 +97,8 @@ class SpeculativeConfig:
 class SpeculativeStats:
     """Counts behind acceptance per draft position and tokens per target forward."""
 
-    drafted: np.ndarray  # i64[k]: drafts verified at position i
-    accepted: np.ndarray  # i64[k]: of those, accepted
+    drafted: np.ndarray  # i64[k]: drafts proposed at position i (verified in the same block)
+    accepted: np.ndarray  # i64[k]: of those, accepted (with every draft before them)
     target_calls: int = 0  # decoding rows run through the target
     emitted: int = 0  # tokens those rows emitted
 
@@ -114,7 +114,10 @@ class SpeculativeStats:
 
     @property
     def acceptance_per_position(self) -> tuple[float, ...]:
-        """P(draft i accepted | it was verified), per position i (NaN where never drafted)."""
+        """Per position i, the share of drafts proposed there that were accepted, which takes
+        drafts 0..i all accepted (vLLM's per-position acceptance; it can only fall with i for
+        fixed-length drafts). Conditional on the drafts before it: accepted[i] / accepted[i - 1].
+        NaN where nothing was drafted."""
         with np.errstate(invalid="ignore", divide="ignore"):
             return tuple(float(a / d) if d else float("nan") for a, d in zip(self.accepted, self.drafted))
 
