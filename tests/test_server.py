@@ -283,6 +283,7 @@ BAD = [
     ({"json": {"model": NAME, "prompt": "x", "stop": 5}}, "stop", "/v1/completions"),
     ({"json": {"model": NAME, "prompt": None}}, "prompt", "/v1/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "user"}]}}, "messages.0", "/v1/chat/completions"),
+    ({"json": {"model": NAME, "prompt": "x", "truncate_prompt_tokens": 0}}, "truncate_prompt_tokens", "/v1/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]}},
      "messages.1", "/v1/chat/completions"),
     ({"json": {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}}, "messages.0.role",

@@ -108,6 +108,13 @@ class _Common(Body):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # extra (vLLM's): keep the prompt's last k tokens (-1: the context)
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_something(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context) or at least 1")
+        return keep
+
     def sampling_params(self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (choice i of a seeded request uses seed + i). `defaults`
         (the model's generation config: `temperature`, `top_p`, ... `max_tokens`) replace the
