@@ -39,8 +39,9 @@ class PmapOutput:
 
 
 def pmap_generate(model, prompts: list[list[int]], max_tokens: int, devices: list | None = None,
-                  page_size: int = 16) -> PmapOutput:
-    """Greedy-decode `prompts` (token-id lists) with one `jax.pmap` replica per device."""
+                  page_size: int = 16, kv_cache="auto") -> PmapOutput:
+    """Greedy-decode `prompts` (token-id lists) with one `jax.pmap` replica per device;
+    `kv_cache`: the cache's format(s), as `init_paged_kv` takes them (a name, a plan, ...)."""
     config: ModelConfig = model.config
     devices = list(jax.local_devices() if devices is None else devices)
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -60,7 +61,7 @@ def pmap_generate(model, prompts: list[list[int]], max_tokens: int, devices: lis
 
     spec = KVCacheSpec.for_batch(per, width + max_tokens, page_size)
     pps = spec.max_pages_per_seq
-    kv = init_paged_kv(config, spec).replace(block_tables=jnp.asarray(
+    kv = init_paged_kv(config, spec, kv_cache=kv_cache).replace(block_tables=jnp.asarray(
         block_table_array([list(range(1 + b * pps, 1 + (b + 1) * pps)) for b in range(per)], pps)))
     params, kv = _replicate(model.params, devices), _replicate(kv, devices)
 

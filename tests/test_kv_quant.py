@@ -378,3 +378,19 @@ def test_engine_with_a_kivi_cache_equals_prefill_then_decode():
     got = [r.token_ids for r in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
     want = [list(row) for row in greedy(model, prompts, "int4", 24)[0]]
     assert got == want
+
+
+@pytest.mark.parametrize("kv_cache", ["int8", "int4"])
+def test_pmap_generate_takes_a_quantized_cache(kv_cache):
+    """`pmap_generate(..., kv_cache=)` decodes what the engine decodes over the same format."""
+    from jaxinfer import Engine, EngineConfig, SamplingParams
+    from jaxinfer.loading import Model
+    from jaxinfer.pmap_generate import pmap_generate
+
+    config, params = tiny_model()
+    model = Model(config, params, None)
+    prompts = [list(map(int, row)) for row in random_tokens((3, 5), config.vocab_size, seed=1)]
+    out = pmap_generate(model, prompts, 6, page_size=4, kv_cache=kv_cache)
+    engine = Engine(model, EngineConfig(max_slots=4, page_size=4, max_model_len=64, kv_cache=kv_cache))
+    want = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert out.tokens == [w.token_ids[: len(t)] for w, t in zip(want, out.tokens)] and all(out.tokens)
