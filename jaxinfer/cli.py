@@ -60,7 +60,8 @@ def _add_compilation_cache_flag(p: argparse.ArgumentParser) -> None:
 def _add_kv_cache_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", default="auto", metavar="FORMAT|PLAN",
                    help="KV-cache storage: 'auto' (the model's dtype), a format for every layer (int8, fp8_e4m3, "
-                   "fp8_e5m2, int4, int2, bf16, f32) or a per-layer plan's JSON file from `jaxinfer calibrate-kv`")
+                   "fp8_e5m2, int4, int2, bf16, f32; vLLM's fp8, bfloat16, float32) or a per-layer plan's JSON file "
+                   "from `jaxinfer calibrate-kv`")
 
 
 def _add_async_flag(p: argparse.ArgumentParser) -> None:
