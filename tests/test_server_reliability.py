@@ -365,7 +365,7 @@ def soak_requests(rng: random.Random) -> list[tuple[str, dict]]:
              for _ in range(6)]
     valid += [chat(" ".join(rng.choices(WORDS, k=rng.randint(1, 6))), max_tokens=rng.randint(1, 12)) for _ in range(4)]
     invalid = [completion("x", top_k=2**40), completion("x", temperature=float("nan")), chat("x", n=99),
-               completion("x", seed=2**70), chat("x", top_p=0), completion("x", stop=[""]), completion("x", logprobs=9),
+               completion("x", seed=2**70), chat("x", top_p=0), completion("x", stop=[""]), completion("x", logprobs=21),
                chat("\ud800"), {"model": NAME}, completion("x", presence_penalty=3.0)]
     oversized = [completion("word " * MAX_LEN), completion("x", max_tokens=MAX_LEN), chat("🙂" * 500)]
     plan = []
