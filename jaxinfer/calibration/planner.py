@@ -105,8 +105,10 @@ def plan_within_budget(params: ModelParams, config: ModelConfig, tokens: np.ndar
     its KL measured.
     """
     check_budgets(budget_kl, budget_out_err, margin)
-    measure = lambda plan: float(measure_plans(params, config, tokens, [plan.formats], calib.page_size,  # noqa: E731
-                                               formats=calib.formats)[0])
+
+    def measure(plan: KVCachePlan) -> float:
+        return float(measure_plans(params, config, tokens, [plan.formats], calib.page_size, formats=calib.formats)[0])
+
     if budget_kl is None:
         plan = plan_kv_cache(calib, None, budget_out_err, model)
         return dataclasses.replace(plan, calibration_kl=measure(plan))
