@@ -112,7 +112,7 @@ def test_bad_input_raises_at_add_request_and_serving_continues(model):
     cases = [
         (dict(prompt=[]), "empty"),
         (dict(prompt=[1, 2, 500]), "outside the vocabulary"),
-        (dict(prompt=[1] * 125), "max_model_len"),
+        (dict(prompt=[1] * 129), "leaves no room"),
         (dict(prompt="text"), "no tokenizer"),
         (dict(prompt=3.5), "prompt must be"),
         (dict(prompt=[1, 2], request_id="ok"), "already in use"),
@@ -141,6 +141,16 @@ def test_invalid_engine_config_is_rejected(model):
         EngineConfig(scheduling="fifo")
     with pytest.raises(ValueError, match="max_model_len"):
         Engine(model, EngineConfig(max_model_len=10_000))
+
+
+def test_max_tokens_beyond_the_context_ends_at_the_context(model):
+    """As in vLLM's engine, a request whose max_tokens (and min_tokens) reach past max_model_len
+    runs until the context is full and finishes "length"; the prompt alone must leave room."""
+    eng = engine(model)
+    room = eng.max_model_len - 120
+    params = SamplingParams(temperature=0, max_tokens=50, min_tokens=20, ignore_eos=True)
+    out = eng.generate([prompts(1, seed=3, lo=120, hi=121)[0]], params)[0]
+    assert len(out.token_ids) == room and out.finish_reason == "length"
 
 
 def test_abort_mid_generation_frees_pages(model):

@@ -318,18 +318,17 @@ class Engine:
         matcher = None
         if params.structured_outputs is not None:  # a fresh matcher per request: it follows the request's tokens
             matcher = self._matcher(params.structured_outputs, ids)
-        if params.max_tokens is None:  # the rest of the context
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
-                                 f"max_model_len={self.max_model_len}")
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        room = self.max_model_len - len(ids)
+        if room <= 0:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        if params.max_tokens is None or params.max_tokens > room:
+            # vLLM's engine: a request ends ("length") when the context is full, whatever max_tokens says
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         vocab = self.model.config.vocab_size
         if bad := [t for t in params.stop_token_ids if t >= vocab]:
             raise ValueError(f"stop_token_ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds "
-                             f"max_model_len={self.max_model_len}")
         if self._peak_pages(total) > self.scheduler.max_request_pages:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} needs more pages than "
                              f"a request can hold ({self.scheduler.max_request_pages} pages of {self.spec.page_size} "

@@ -210,6 +210,11 @@ class OpenAIServer:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
         if body.max_tokens == 0:
             return []  # echo only: no choice is generated
+        if body.max_tokens is not None and len(ids) + body.max_tokens > self.max_model_len:
+            # the engine would cut the request at the context's end; OpenAI and vLLM's server refuse it
+            raise ErrorBody(400, f"max_tokens={body.max_tokens} does not fit: the prompt has {len(ids)} tokens and "
+                                 f"the context (max_model_len) is {self.max_model_len}", param="max_tokens",
+                            code="context_length_exceeded")
         try:
             # the default (completions: 16, OpenAI's) never asks for more than the context has left
             return body.sampling_params(min(default_max_tokens or self.max_model_len, self.max_model_len - len(ids)),
