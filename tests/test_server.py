@@ -673,6 +673,45 @@ def test_responses_are_stored_and_continued(srv, client):
     assert again.output_text == streamed.output_text
 
 
+def _settled(client, response_id: str):
+    """A background response once it has left "queued" / "in_progress"."""
+    deadline = time.monotonic() + T
+    while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "a background response never finished"
+        time.sleep(0.05)
+    return r
+
+
+def test_background_responses_are_polled_and_cancelled(srv, client):
+    """OpenAI's background mode: the POST answers "queued" at once, the stored response reads
+    "in_progress" until it holds what a plain request answers; `cancel` stops one (its pages
+    freed); what cannot run is a 400 from the POST itself."""
+    kw = dict(model=NAME, input="Hello there", instructions=".", max_output_tokens=6, temperature=0)
+    queued = client.responses.create(background=True, **kw)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = _settled(client, queued.id)
+    plain = client.responses.create(**kw)
+    assert (done.id, done.created_at, done.background) == (queued.id, queued.created_at, True)
+    assert done.status == plain.status == "incomplete" and done.output_text == plain.output_text
+    assert done.usage.output_tokens == plain.usage.output_tokens
+    assert client.responses.cancel(done.id).status == "incomplete"  # finished: as it is
+    # a long one cancelled while it runs
+    long = client.responses.create(background=True, **(kw | {"max_output_tokens": 40}), extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input="More", previous_response_id=long.id, model=NAME)  # not finished yet
+    assert e.value.body["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    srv.wait_idle()  # its request was aborted, and what it had written is not kept
+    assert client.responses.retrieve(long.id).model_dump()["status"] == "cancelled"
+    for bad, param in [({"store": False}, "background"), ({"stream": True}, "stream"),
+                       ({"max_output_tokens": 10**5}, "max_output_tokens"), ({"model": "nope"}, "model")]:
+        err = httpx.post(f"{srv.url}/v1/responses", json={"model": NAME, "input": "x", "background": True} | bad, timeout=T)
+        assert err.status_code in (400, 404) and err.json()["error"]["param"] == param, (bad, err.text)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)  # not a background response
+
+
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_spared(srv, client):
     """`usage.prompt_tokens_details.cached_tokens` (OpenAI's field) is what the prefix cache
     spared: none of a prompt seen first, its full pages but the last one's the second time;

@@ -39,7 +39,8 @@ from jaxinfer.server.loop import EngineLoop, QueueFull, Sink
 from jaxinfer.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       ErrorBody, TokenizeRequest, _Common, new_id, now, usage)
 from jaxinfer.reasoning import find_reasoning_parser
-from jaxinfer.server.responses import ResponseEvents, ResponsesRequest, ResponseStore, renamed, to_response
+from jaxinfer.server.responses import (ResponseEvents, ResponsesRequest, ResponseStore, renamed, response_object,
+                                       responses_id, to_response)
 from jaxinfer.server.tools import RequiredCalls, call_parser, parse_calls, tool_call
 
 T = TypeVar("T")
@@ -407,7 +408,9 @@ def _echo_only(body: CompletionRequest, model: str, echoed: list[str], echo_lps:
     return StreamingResponse(stream(), media_type="text/event-stream")
 
 
-async def chat_completions(server: OpenAIServer, raw: Request, body: ChatCompletionRequest):
+async def chat_completions(server: OpenAIServer, raw: Request, body: ChatCompletionRequest,
+                           accepted: asyncio.Event | None = None):
+    """`accepted` is set once the engine has taken the request (every check passed)."""
     model = server.check_model(body)
     ids = server.chat_ids(body)
     params = server.params(body, ids, default_max_tokens=None)
@@ -419,6 +422,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
     prompt_lps = await server.prompt_logprobs(body, ids)
     sink, rids = await server.submit([ids] * len(params), params, body.salt)
+    if accepted is not None:
+        accepted.set()
     rid, created = new_id("chatcmpl"), now()
 
     def chunk(choices, use=None):
@@ -531,9 +536,17 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
 
 async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):
     """OpenAI's Responses API, answered by the chat endpoint (`jaxinfer.server.responses`)."""
-    history = ([] if body.previous_response_id is None else
-               server.responses.get(body.previous_response_id, param="previous_response_id").conversation())
+    history = []
+    if body.previous_response_id is not None:
+        earlier = server.responses.get(body.previous_response_id, param="previous_response_id")
+        if earlier.response["status"] in ("queued", "in_progress"):
+            raise ErrorBody(400, f"previous_response_id: response {body.previous_response_id!r} is still "
+                                 f"{earlier.response['status']}; continue it once it has finished",
+                            param="previous_response_id")
+        history = earlier.conversation()
     chat = body.to_chat(history)
+    if body.background:
+        return await _in_background(server, body, chat, history)
     try:
         answer = await chat_completions(server, raw, chat)
     except ErrorBody as e:  # in the response request's names
@@ -552,6 +565,55 @@ async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):
             server.responses.put(events.final, history + body.input_items())
 
     return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Detached:
+    """The `Request` of a background response: no client listens; it "leaves" once the
+    response is cancelled or deleted, so the engine's requests are aborted."""
+
+    wanted: Callable[[], bool]
+
+    async def is_disconnected(self) -> bool:
+        return not self.wanted()
+
+
+async def _in_background(server: OpenAIServer, body: ResponsesRequest, chat: ChatCompletionRequest,
+                         history: list[dict]) -> dict:
+    """OpenAI's background mode: checked and started like any request (a bad one is a 400 now),
+    then answered at once with status "queued" while the engine generates; the stored
+    response becomes "in_progress", then the answer ("completed" / "incomplete") or "failed"."""
+    if not body.store:
+        raise ErrorBody(400, "background: true needs store: true (the answer is fetched from the store later)",
+                        param="background")
+    if body.stream:
+        raise ErrorBody(400, "background: true with stream: true is not supported; poll GET /v1/responses/{id}",
+                        param="stream")
+    queued = response_object(responses_id("resp"), now(), server.check_model(chat), body, [], None, None)
+    response_id, accepted = queued["id"], asyncio.Event()
+
+    async def generate() -> None:
+        try:
+            answer = await chat_completions(server, _Detached(lambda: server.responses.wanted(response_id)), chat,
+                                            accepted)
+            final = to_response(body, answer, response_id) | {"created_at": queued["created_at"]}
+        except Exception as e:
+            if not accepted.is_set():
+                raise  # refused up front: the POST answers it
+            code = (e.code or e.err_type) if isinstance(e, ErrorBody) else "server_error"
+            final = queued | {"status": "failed", "error": {"code": code, "message": str(e)}}
+        server.responses.finish(response_id, final)
+
+    server.responses.put(queued | {"status": "in_progress"}, history + body.input_items())
+    task = asyncio.create_task(generate())
+    started = asyncio.create_task(accepted.wait())
+    await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+    started.cancel()
+    if task.done() and not accepted.is_set():
+        server.responses.delete(response_id)
+        error = task.exception()
+        raise renamed(error) if isinstance(error, ErrorBody) else error
+    return queued | {"status": "queued"}
 
 
 async def _collect(server: OpenAIServer, raw: Request, sink: Sink, rids: list[str]):
@@ -670,6 +732,10 @@ def create_app(server: OpenAIServer) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         return server.responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return server.responses.cancel(response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):

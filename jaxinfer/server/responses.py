@@ -11,7 +11,8 @@ Responses events (`ResponseEvents`): `response.created`, `response.output_text.d
 Responses are kept in memory (`ResponseStore`; OpenAI's `store`, on unless a request says
 `"store": false`), so `previous_response_id` continues a conversation and `GET` / `DELETE
 /v1/responses/{id}` (and `.../input_items`) find them, until the server restarts or the store's
-capacity pushes the oldest out.
+capacity pushes the oldest out. A `background` request is answered at once ("queued") and
+generated on; `GET` shows it "in_progress" until it ends, `POST .../cancel` stops it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class ResponsesRequest(Body):
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     store: bool = True
+    background: bool = False  # answer at once ("queued") and generate on; poll GET /v1/responses/{id}
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -152,7 +154,8 @@ class ResponsesRequest(Body):
                 "temperature": self.temperature, "top_p": self.top_p, "tools": self.tools or [],
                 "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "text": self.text or {"format": {"type": "text"}}, "metadata": self.metadata or {},
-                "previous_response_id": self.previous_response_id, "store": self.store, "user": self.user}
+                "previous_response_id": self.previous_response_id, "store": self.store, "user": self.user,
+                "background": self.background}
 
 
 def _text(content: Any, param: str) -> str | None:
@@ -235,8 +238,8 @@ def response_object(response_id: str, created: int, model: str, request: Respons
             "usage": None if chat_usage is None else usage(chat_usage)} | request.echo()
 
 
-def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion (one choice) as a response."""
+def to_response(request: ResponsesRequest, completion: dict[str, Any], response_id: str | None = None) -> dict[str, Any]:
+    """A chat completion (one choice) as a response (a background one keeps the id it was given)."""
     choice = completion["choices"][0]
     message, output, status = choice["message"], [], item_status(choice["finish_reason"])
     if message.get("reasoning_content"):
@@ -245,8 +248,8 @@ def to_response(request: ResponsesRequest, completion: dict[str, Any]) -> dict[s
         output.append(message_item(responses_id("msg"), message["content"], status))
     for call in message.get("tool_calls") or []:
         output.append(call_item(responses_id("fc"), call, status))
-    return response_object(responses_id("resp"), completion["created"], completion["model"], request, output,
-                           choice["finish_reason"], completion["usage"])
+    return response_object(response_id or responses_id("resp"), completion["created"], completion["model"], request,
+                           output, choice["finish_reason"], completion["usage"])
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,26 @@ class ResponseStore:
         self.get(response_id)
         del self._kept[response_id]
         return {"id": response_id, "object": "response", "deleted": True}
+
+    def wanted(self, response_id: str) -> bool:
+        """Whether a background response's generation should go on: kept, and not cancelled."""
+        return (stored := self._kept.get(response_id)) is not None and stored.response["status"] != "cancelled"
+
+    def finish(self, response_id: str, response: dict[str, Any]) -> None:
+        """A background response's final state (unless it was cancelled or deleted meanwhile)."""
+        if self.wanted(response_id):
+            self._kept[response_id] = StoredResponse(response, self._kept[response_id].input_items)
+
+    def cancel(self, response_id: str) -> dict[str, Any]:
+        """OpenAI's cancel: a background response still generating reads "cancelled" (its
+        generation stops: `wanted`); one that has finished is returned as it is."""
+        stored = self.get(response_id)
+        if not stored.response.get("background"):
+            raise ErrorBody(400, f"response {response_id!r} was not created with background: true; only those can "
+                                 "be cancelled", param="response_id")
+        if stored.response["status"] in ("queued", "in_progress"):
+            self._kept[response_id] = StoredResponse(stored.response | {"status": "cancelled"}, stored.input_items)
+        return self._kept[response_id].response
 
     def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
         """OpenAI's list of a response's input items (`client.responses.input_items.list`)."""
