@@ -34,6 +34,7 @@ MAX_TEMPERATURE = 100.0  # beyond it every distribution is uniform to float32 pr
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024  # entries of `logit_bias` (OpenAI allows 300)
+MAX_BAD_WORDS = 1024
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # `SamplingParams.output_kind`
@@ -70,6 +71,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus p once the token appeared in the output
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] = ()  # {token id: added to its logit, in [-100, 100]}
     allowed_token_ids: Sequence[int] | None = None  # vLLM's: sample only among these ids (None: all)
+    bad_words: tuple[str, ...] = ()  # vLLM's: words the output never holds (`jaxinfer.bad_words`)
     # Sample only what a JSON schema / regex / choice / grammar allows (`jaxinfer.structured_output`)
     structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None  # None = off; n: each token's logprob + its n most likely alternatives
@@ -110,6 +112,9 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP_STRINGS,
                f"stop={self.stop!r} must be at most {MAX_STOP_STRINGS} non-empty strings")
+        bad_words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        _check(all(isinstance(w, str) and w.strip() for w in bad_words) and len(bad_words) <= MAX_BAD_WORDS,
+               f"bad_words={self.bad_words!r} must be at most {MAX_BAD_WORDS} strings that are not blank")
         ids = tuple(self.stop_token_ids)
         _check(all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids) and len(ids) <= MAX_STOP_TOKEN_IDS,
                f"stop_token_ids={self.stop_token_ids!r} must be at most {MAX_STOP_TOKEN_IDS} integers in [0, 2**31 - 1]")
@@ -153,6 +158,7 @@ class SamplingParams:
         object.__setattr__(self, "top_k", max(self.top_k, 0))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "bad_words", bad_words)
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "structured_outputs", structured)
 
@@ -162,11 +168,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The request changes its logits before sampling (penalties, bias, allowed ids,
-        min_tokens or a structured-output grammar): its steps run the programs that do."""
+        """The request changes its logits before sampling (penalties, bias, allowed ids, bad
+        words, min_tokens or a structured-output grammar): its steps run the programs that do."""
         return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
                 or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None
-                or self.allowed_token_ids is not None)
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
 
 def truncate_prompt(prompt: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -758,6 +758,14 @@ def test_default_max_tokens_fits_the_context(srv, model):
     assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
 
 
+def test_bad_words_extra(client):
+    """vLLM's `bad_words` extra: the word the model would write next is never written."""
+    kw = dict(model=NAME, prompt="The capital of France is", max_tokens=6, temperature=0)
+    word = client.completions.create(**kw).choices[0].text.split()[0]
+    avoided = client.completions.create(**kw, extra_body={"bad_words": [word]}).choices[0].text
+    assert word not in avoided.split()
+
+
 def test_null_means_the_default(client):
     """OpenAI's SDK sends `null` for a parameter given as None; like OpenAI and vLLM, the
     server reads it as the parameter's default (a seeded sample at temperature 1, top_p 1)."""

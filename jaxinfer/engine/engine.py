@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxinfer import sharding
 from jaxinfer.attention.dispatch import kernel_names, kernels_by_default, require_reference
+from jaxinfer.bad_words import AllOf, BadWords, bad_word_ids
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig, EngineMetrics
 from jaxinfer.engine.multihost import StepChannel, spans_processes
@@ -318,6 +319,12 @@ class Engine:
         matcher = None
         if params.structured_outputs is not None:  # a fresh matcher per request: it follows the request's tokens
             matcher = self._matcher(params.structured_outputs, ids)
+        if params.bad_words:  # masked through the grammar's input (and with a grammar, as well as it)
+            if self.model.tokenizer is None:
+                raise ValueError("bad_words needs the model's tokenizer, and this model has none")
+            vocab = self.model.config.vocab_size
+            bad = BadWords(bad_word_ids(self.model.tokenizer, params.bad_words, vocab), vocab)
+            matcher = bad if matcher is None else AllOf(matcher, bad)
         room = self.max_model_len - len(ids)
         if room <= 0:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
@@ -348,7 +355,7 @@ class Engine:
         """What `SamplingParams` cannot check alone: the engine and the vocabulary."""
         name = next(n for n, neutral in (("repetition_penalty", 1), ("frequency_penalty", 0), ("presence_penalty", 0),
                                           ("logit_bias", ()), ("min_tokens", 0), ("structured_outputs", None),
-                                          ("allowed_token_ids", None))
+                                          ("allowed_token_ids", None), ("bad_words", ()))
                     if getattr(params, n) != neutral)
         if self._channel is not None:
             raise ValueError(f"{name} is not supported yet on a mesh spanning several processes")

@@ -7,9 +7,9 @@ import enum
 import math
 import time
 
+from jaxinfer.bad_words import TokenConstraint
 from jaxinfer.sampling import SamplingParams, TokenLogprobs
 from jaxinfer.speculative.config import SpeculativeStats
-from jaxinfer.structured_output import AfterThinking, GrammarMatcher
 from jaxinfer.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -155,7 +155,8 @@ class Request:
         self._hold = max((len(s) for s in params.stop), default=1) - 1  # chars a stop string may claim
         self._stopped_by_string = False
         self.ngram_index = None  # NgramIndex over prompt + generated, made by an n-gram speculating engine
-        self.matcher: GrammarMatcher | AfterThinking | None = None  # structured output: where the output is in its grammar
+        # structured output / bad words: where the output is in its grammar, what it may not write next
+        self.matcher: TokenConstraint | None = None
 
     @property
     def all_tokens(self) -> list[int]:

@@ -87,6 +87,7 @@ class _Common(Body):
     repetition_penalty: float = 1.0  # extra (vLLM's): HF's repetition penalty over prompt and output
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     allowed_token_ids: list[int] | None = None  # extra (vLLM's): sample only among these ids
+    bad_words: list[str] | None = None  # extra (vLLM's): words the output never holds
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra
     include_stop_str_in_output: bool = False  # extra (vLLM's)
@@ -132,7 +133,7 @@ class _Common(Body):
                     logprobs=self.num_logprobs, frequency_penalty=self.frequency_penalty,
                     presence_penalty=self.presence_penalty,
                     logit_bias=self._logit_bias(), structured_outputs=self.structured(),
-                    allowed_token_ids=self.allowed_token_ids,
+                    allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
                     output_kind="delta" if self.stream else "cumulative")  # a stream sends only what is new
         seeds = [None] * self.n if self.seed is None else [(self.seed + i) % 2**32 for i in range(self.n)]
         return [SamplingParams(seed=s, **base) for s in seeds]
