@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +54,10 @@ class StructuredOutputsParams:
 
     JSON may hold any whitespace between its tokens (as in vLLM) unless `disable_any_whitespace`:
     then it is compact (`{"a":1,"b":[2,3]}`), which keeps a small model from rambling in
-    whitespace.
+    whitespace. An object that declares `properties` and leaves `additionalProperties` unset
+    admits only those (`disable_additional_properties`, vLLM's field; on by default, as vLLM's
+    default xgrammar backend compiles schemas): a small model given an open object keeps
+    inventing keys. False follows JSON Schema (undeclared keys allowed).
     """
 
     json: str | dict[str, Any] | None = None
@@ -61,11 +66,12 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
             _check(isinstance(getattr(self, name), bool), f"structured_outputs.{name}={getattr(self, name)!r} must be a bool")
         _check(len(given) == 1, "structured_outputs must set exactly one of json, json_object, regex, choice, "
                f"grammar (got {given or 'none'})")
@@ -93,7 +99,7 @@ class StructuredOutputsParams:
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
         """From its JSON form (`{"json": {...}}`), unknown fields refused by name."""
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
-        _check(not unknown, f"structured_outputs has unknown fields {unknown}")
+        _check(not unknown, f"structured_outputs: unknown fields {unknown}")
         return cls(**fields)
 
     def grammar_text(self) -> str:
@@ -103,9 +109,12 @@ class StructuredOutputsParams:
         try:
             if self.json is not None or self.json_object:
                 options = {"whitespace_flexible": not self.disable_any_whitespace}
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(self.json or '{"type": "object"}', options)
+                schema = self.json or '{"type": "object"}'
+                if self.disable_additional_properties:
+                    schema = json.dumps(strict_schema(json.loads(schema), declared_only=True))
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, options)
             elif self.regex is not None:
-                grammar = llguidance.grammar_from("regex", self.regex)
+                grammar = llguidance.grammar_from("regex", ascii_digits(self.regex))
             elif self.choice is not None:
                 grammar = llguidance.grammar_from("choice", list(self.choice))
             else:
@@ -125,20 +134,50 @@ class StructuredOutputsParams:
         return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
 
 
-def strict_schema(schema: Any) -> Any:
+def ascii_digits(regex: str) -> str:
+    """`regex` with `\\d` meaning [0-9], as in JSON Schema's patterns and vLLM's default backend
+    (Rust's `regex` reads it as any Unicode digit, and a small model then favours the rare
+    digits its byte tokens spell); `\\p{Nd}` still asks for those."""
+    out, depth, i = [], 0, 0  # depth: nesting of character classes (Rust's may nest)
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            out.append(("0-9" if depth else "[0-9]") if escaped == "d" else c + escaped)
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            out.append(c)
+            i += 1
+            for opener in ("^", "]"):  # a leading "]" (after an optional "^") is a literal
+                if regex.startswith(opener, i):
+                    out.append(opener)
+                    i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def strict_schema(schema: Any, declared_only: bool = False) -> Any:
     """OpenAI's strict mode (`"strict": true` on a function or a response format): every object
     admits only the properties it declares unless it says otherwise (`additionalProperties`
-    unset reads as false). The schema is copied, not changed."""
+    unset reads as false). `declared_only`: only objects that declare `properties` are closed
+    (`{"type": "object"}` alone stays any object). The schema is copied, not changed."""
     if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
+        return [strict_schema(s, declared_only) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {key: strict_schema(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
+    closed = {key: strict_schema(value, declared_only) if key in _SUBSCHEMAS else value for key, value in schema.items()}
     for key in ("properties", "$defs", "definitions", "patternProperties"):
         if isinstance(closed.get(key), dict):
-            closed[key] = {name: strict_schema(sub) for name, sub in closed[key].items()}
+            closed[key] = {name: strict_schema(sub, declared_only) for name, sub in closed[key].items()}
     types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
-    if ("object" in types or "properties" in schema) and "additionalProperties" not in schema:
+    is_object = "properties" in schema if declared_only else ("object" in types or "properties" in schema)
+    if is_object and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
 
@@ -258,25 +297,40 @@ class AfterThinking:
 
 
 class GrammarCompiler:
-    """Compiles requests' grammars against one tokenizer.
+    """Compiles requests' grammars against one tokenizer, keeping the newest `capacity`
+    compiled (agents send the same tool schema again and again; a deep JSON schema takes
+    seconds). Thread-safe, and llguidance lets go of the GIL while it compiles, so a server
+    compiles off the engine's thread (`Engine.compile_grammar`).
 
     `vocab_size`: the model's vocabulary (rows of its logits; ids past the tokenizer's are
     never allowed); `eos_ids`: the tokens that end a complete output."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Sequence[int], capacity: int = 256) -> None:
         import llguidance
 
         self._llguidance = llguidance
         self._tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                                  eos_token=list(eos_ids) or None)
         self.words = bitmask_words(vocab_size)
+        self.capacity = capacity
+        self._compiled: OrderedDict[StructuredOutputsParams, Any] = OrderedDict()  # unstarted llguidance matchers
+        self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for `params` (ValueError naming what is wrong with it)."""
-        matcher = self._llguidance.LLMatcher(self._tokenizer, params.grammar_text(), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.words)
+        with self._lock:
+            compiled = self._compiled.get(params)
+            if compiled is not None:
+                self._compiled.move_to_end(params)
+        if compiled is None:
+            compiled = self._llguidance.LLMatcher(self._tokenizer, params.grammar_text(), log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"structured_outputs.{params.kind}: {compiled.get_error()}")
+            with self._lock:
+                self._compiled[params] = compiled
+                while len(self._compiled) > self.capacity:
+                    self._compiled.popitem(last=False)
+        return GrammarMatcher(compiled.deep_copy(), self.words)
 
 
 def allow_all(rows: int | tuple[int, ...], vocab: int) -> np.ndarray:

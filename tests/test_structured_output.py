@@ -369,7 +369,8 @@ def test_strict_schemas_admit_only_declared_properties(model):
     """`strict_schema` (OpenAI's strict mode, for `"strict": true` functions and response
     formats): an object that leaves `additionalProperties` unset admits only its declared
     properties, nested ones too; the grammar refuses an extra key it would otherwise allow.
-    The caller's schema is not changed."""
+    Objects that declare properties are closed so by default too (vLLM's xgrammar default);
+    `disable_additional_properties=False` opens them. The caller's schema is not changed."""
     from jaxinfer.structured_output import GrammarCompiler, strict_schema
 
     schema = {"type": "object", "properties": {"unit": {"type": "string"},
@@ -381,8 +382,49 @@ def test_strict_schemas_admit_only_declared_properties(model):
     assert strict_schema({"type": "object", "additionalProperties": True})["additionalProperties"] is True
     assert strict_schema({"type": ["object", "null"]})["additionalProperties"] is False
     compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, model.config.eos_ids)
+    kept_of = lambda params, ids: model.tokenizer.decode(ids[: len(compiler.matcher(params).draft_masks(ids))])  # noqa: E731
     for text, declared, extra in (('{"unit":"c","tz":"UTC"}', '{"unit":"c"', "tz"), ('{"at":{"h":1,"m":2}}', '{"at":{"h":1', '"m')):
         ids = model.tokenizer.encode(text, add_special_tokens=False)
-        assert len(compiler.matcher(StructuredOutputsParams(json=schema)).draft_masks(ids)) == len(ids)
-        kept = model.tokenizer.decode(ids[: len(compiler.matcher(StructuredOutputsParams(json=closed)).draft_masks(ids))])
-        assert kept.startswith(declared) and extra not in kept, kept
+        assert kept_of(StructuredOutputsParams(json=schema, disable_additional_properties=False), ids) == text
+        for params in (StructuredOutputsParams(json=closed), StructuredOutputsParams(json=schema)):
+            kept = kept_of(params, ids)
+            assert kept.startswith(declared) and extra not in kept, kept
+    any_object = model.tokenizer.encode('{"tz":"UTC"}', add_special_tokens=False)  # declares nothing: any object
+    assert kept_of(StructuredOutputsParams(json={"type": "object"}), any_object) == '{"tz":"UTC"}'
+    assert kept_of(StructuredOutputsParams(json_object=True), any_object) == '{"tz":"UTC"}'
+
+
+def test_backslash_d_is_an_ascii_digit(model):
+    """`\\d` in a regex means [0-9] (JSON Schema's and vLLM's meaning), inside classes too;
+    `\\p{Nd}` still allows every Unicode digit."""
+    from jaxinfer.structured_output import GrammarCompiler, ascii_digits
+
+    assert ascii_digits(r"\d{3}-[\d.]+\\d[^\d]\D") == r"[0-9]{3}-[0-9.]+\\d[^0-9]\D"
+    assert ascii_digits(r"[]\d][a[\d]]") == r"[]0-9][a[0-9]]"
+    compiler = GrammarCompiler(model.tokenizer, model.config.vocab_size, model.config.eos_ids)
+    seven, wide = (model.tokenizer.encode(d, add_special_tokens=False)[0] for d in ("7", "\uff19"))
+
+    def allows(regex: str, token: int) -> bool:
+        mask = compiler.matcher(StructuredOutputsParams(regex=regex)).allowed().view(np.uint32)
+        return bool(mask[token // 32] >> np.uint32(token % 32) & 1)
+
+    assert allows(r"\d", seven) and not allows(r"\d", wide) and not allows(r"[\d]", wide)
+    assert allows(r"\p{Nd}", wide)
+
+
+def test_grammars_compile_once_and_each_request_gets_its_own_matcher(model, monkeypatch):
+    """A grammar compiled ahead (`Engine.compile_grammar`, what the server does off the engine's
+    thread) or by an earlier request is not compiled again; every request still starts at the
+    grammar's beginning, whatever another has consumed."""
+    compiled = []
+    text_of = StructuredOutputsParams.grammar_text
+    monkeypatch.setattr(StructuredOutputsParams, "grammar_text", lambda self: compiled.append(self) or text_of(self))
+    eng = engine(model)
+    structured = StructuredOutputsParams(regex=REGEX)
+    eng.compile_grammar(structured)
+    outs = eng.generate(["A code:", "Another:"], [params(structured, i) for i in range(2)])
+    outs += eng.generate(["A code:"], [params(StructuredOutputsParams(regex=REGEX), 0)])
+    assert len(compiled) == 1 and outs[2].token_ids == outs[0].token_ids
+    assert all(re.fullmatch(REGEX, o.text) for o in outs if o.finish_reason == "stop")
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        eng.compile_grammar(StructuredOutputsParams(regex="[0-9"))

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import threading
 import time
 import traceback
 from collections import deque
@@ -205,6 +206,7 @@ class Engine:
         # first request that asks for one (`_penalty_rows`)
         self.penalties: PenaltyState | None = None
         self._grammars: GrammarCompiler | None = None  # structured output (`_grammar_compiler`)
+        self._grammars_made = threading.Lock()  # (`compile_grammar` may run on another thread)
         self._in_flight: LaunchedStep | None = None  # asynchronous scheduling: the step not read yet
         self._recent_logits: dict[int, tuple] = {}  # step index -> what `_logprobs` needs (the last two steps)
         # the last plain step's tokens on the device, for `feed_decode_tokens`
@@ -369,12 +371,19 @@ class Engine:
     def _grammar_compiler(self) -> GrammarCompiler:
         """llguidance's view of the vocabulary (~0.4 s), made at warm-up with `penalized` or at
         the first structured-output request."""
-        if self._grammars is None:
-            if self.model.tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
-            mc = self.model.config
-            self._grammars = GrammarCompiler(self.model.tokenizer, mc.vocab_size, mc.eos_ids)
+        with self._grammars_made:
+            if self._grammars is None:
+                if self.model.tokenizer is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+                mc = self.model.config
+                self._grammars = GrammarCompiler(self.model.tokenizer, mc.vocab_size, mc.eos_ids)
         return self._grammars
+
+    def compile_grammar(self, structured: StructuredOutputsParams) -> None:
+        """Compile a structured output's grammar now (kept: a request asking for it starts at
+        once); ValueError naming what is wrong with it. Safe from any thread: a server calls
+        it off the engine's thread, so a schema that takes seconds to compile stalls no one."""
+        self._grammar_compiler().matcher(structured)
 
     def _matcher(self, structured: StructuredOutputsParams, prompt: list[int]) -> GrammarMatcher | AfterThinking:
         """The request's grammar; with a reasoning parser, from the end of its thinking."""

@@ -230,6 +230,11 @@ class OpenAIServer:
         if len(prompts) > self.loop.max_outstanding:  # more than the server ever holds: no retry helps
             raise ErrorBody(400, f"n={len(prompts)} choices; this server holds at most {self.loop.max_outstanding} "
                                  "requests (max_slots + max_queue)", param="n")
+        for structured in {p.structured_outputs for p in params if p.structured_outputs is not None}:
+            try:  # compiled here, off the engine's thread (a deep schema takes seconds): no other stream stalls
+                await asyncio.to_thread(self.loop.engine.compile_grammar, structured)
+            except ValueError as e:
+                raise ErrorBody(400, str(e), param=_field_of(str(e))) from e
         sink = Sink(asyncio.get_running_loop())
         try:
             rids = self.loop.submit(prompts, params, salt, sink)

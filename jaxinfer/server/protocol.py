@@ -18,7 +18,7 @@ from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 from jaxinfer.server.tools import check_tools, constraint, template_message
 from jaxinfer.structured_output import StructuredOutputsParams, strict_schema
 
-STRUCTURED_OPTIONS = frozenset({"disable_any_whitespace"})  # structured_outputs fields that constrain nothing
+STRUCTURED_OPTIONS = frozenset({"disable_any_whitespace", "disable_additional_properties"})  # options, not constraints
 
 
 class ErrorBody(Exception):

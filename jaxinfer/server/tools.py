@@ -20,7 +20,8 @@ from jaxinfer.reasoning import partial_suffix
 from jaxinfer.structured_output import strict_schema
 
 
-FREE_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function that declares no parameters
+# a function that declares no parameters takes none (OpenAI: "an empty parameter list")
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 def call_id() -> str:
@@ -61,8 +62,8 @@ def constraint(tools: list | None, tool_choice: Any, parallel_tool_calls: bool |
 
 
 def arguments_schema(function: Any) -> dict[str, Any]:
-    """A function's arguments schema (any object if it declares none), closed where it is strict."""
-    schema = function.parameters or FREE_ARGUMENTS
+    """A function's arguments schema (an empty object if it declares none), closed where it is strict."""
+    schema = function.parameters or NO_ARGUMENTS
     return strict_schema(schema) if function.strict else schema
 
 
