@@ -165,22 +165,38 @@ def default_cache_dir() -> Path:
     return cache_dir() / "xla"
 
 
+CACHE_MAX_BYTES = 4 * 2**30  # the cache jaxinfer turns on keeps this much, least recently used out first
+
+
 def use_persistent_cache(setting: bool | str | os.PathLike = True) -> Path | None:
     """Turn on jax's persistent compilation cache; returns its directory, or None when off.
 
     `setting`: True = `$JAXINFER_CACHE/xla` (unless `JAXINFER_COMPILATION_CACHE=0` is set in
     the environment), False = leave jax as it is, a path = that directory. The cache is
-    process-wide: a directory the user (or an earlier engine) already gave jax is kept.
-    Every step program is cached, however fast it compiled: the second start of the same
-    model and config then compiles none."""
+    process-wide: a directory the user (or an earlier engine) already gave jax is kept (a
+    different one asked for here is then a warning). Every step program is cached, however
+    fast it compiled: the second start of the same model and config then compiles none. A
+    directory that cannot be made (a read-only home, a file in the way) is a warning, not an
+    error: the engine compiles without the cache."""
     if setting is False or (setting is True and os.environ.get("JAXINFER_COMPILATION_CACHE", "1") == "0"):
         return None
-    current = jax.config.jax_compilation_cache_dir
-    if current:
-        return Path(current)
     directory = default_cache_dir() if setting is True else Path(setting).expanduser()
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
+    if current := jax.config.jax_compilation_cache_dir:
+        if setting is not True and Path(current).resolve() != directory.resolve():
+            logger.warning("compilation_cache=%s is not used: jax already caches compiled programs in %s "
+                           "(one directory per process)", directory, current)
+        directory = Path(current)
+    else:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            logger.warning("compiled programs are not cached across restarts: cannot make %s (%s)", directory, e)
+            return None
+        jax.config.update("jax_compilation_cache_dir", str(directory))
+        if jax.config.jax_compilation_cache_max_size == -1:  # (jax's default: no bound)
+            jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if jax.default_backend() == "cpu":  # the GPU autotuning cache's path would enter every key: a moved cache missed
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     return directory

@@ -242,3 +242,51 @@ def test_models_loaded_for_scan_are_run_as_they_are(model, tmp_path):
     sp = SamplingParams(max_tokens=8)
     assert (eng.generate([[3, 4, 5]], sp)[0].token_ids
             == Engine(load_model(tmp_path / "m", layer_loop="unroll"), CONFIG).generate([[3, 4, 5]], sp)[0].token_ids)
+
+
+def test_a_cache_directory_that_cannot_be_made_is_a_warning(tmp_path, caplog):
+    """A read-only home or a file in the way costs the cache, not the engine; a directory
+    asked for while jax already caches elsewhere is named in a warning (the cache is one per
+    process)."""
+    import logging
+
+    import jax
+
+    from jaxinfer.programs import use_persistent_cache
+
+    blocker = tmp_path / "file"
+    blocker.write_text("in the way")
+    kept = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        with caplog.at_level(logging.WARNING, "jaxinfer.programs"):
+            assert use_persistent_cache(blocker / "xla") is None
+        assert jax.config.jax_compilation_cache_dir is None and "cannot make" in caplog.text
+    finally:
+        jax.config.update("jax_compilation_cache_dir", kept)
+    if kept:  # (the suite shares one cache)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "jaxinfer.programs"):
+            assert use_persistent_cache(tmp_path / "mine") == Path(kept)
+        assert "is not used" in caplog.text
+
+
+def test_the_engine_refuses_to_run_under_a_jax_transformation(model):
+    """Called inside the user's jax.jit, the engine raises at once and stays unharmed (its
+    state never takes a tracer)."""
+    import jax
+
+    eng = Engine(model, EngineConfig(max_slots=2, page_size=8, prefill_chunk=16, max_model_len=64))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    @jax.jit
+    def inside(x):
+        eng.generate([[1, 2, 3]], params)
+        return x
+
+    with pytest.raises(RuntimeError, match="under a jax transformation"):
+        inside(1)
+    with pytest.raises(RuntimeError, match="Engine.step"):
+        jax.jit(lambda x: eng.step() and x)(1)
+    out = eng.generate([[1, 2, 3]], params)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3

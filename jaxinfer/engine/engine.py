@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core  # (trace_state_clean has no public name)
 
 from jaxinfer import sharding
 from jaxinfer.attention.dispatch import kernel_names, kernels_by_default, require_reference
@@ -296,6 +297,7 @@ class Engine:
         `prompt`: a text (with `chat`, the user's turn of a chat), token ids, or a conversation
         (`[{"role": ..., "content": ...}, ...]`, rendered with the chat template). `params`
         None: `default_sampling_params()` (the model's generation config, as in vLLM)."""
+        _check_not_traced("add_request")
         if self.is_follower:
             raise RuntimeError(f"process {jax.process_index()} follows process 0's schedule: requests go to "
                                "process 0's engine; call Engine.follow() here")
@@ -484,6 +486,7 @@ class Engine:
         to the pool; the others keep their pages and progress and go on next step. The
         culprits are the requests whose own row cannot be packed (`_row_error`); when none
         can be blamed, every running request fails, so a failure never repeats forever."""
+        _check_not_traced("step")
         try:
             return self._unguarded_step()
         except Exception as e:  # contained: reported to the requests it fails
@@ -1344,3 +1347,12 @@ def _progress_bar(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="requests", unit="req", disable=not enabled)
+
+
+def _check_not_traced(method: str) -> None:
+    """The engine is host-side Python over device state: under a jax transformation its
+    state would take tracers, and every later request would fail."""
+    if not jax_core.trace_state_clean():
+        raise RuntimeError(f"Engine.{method} was called under a jax transformation (jax.jit, vmap, grad, scan, ...): "
+                           "the engine is host-side Python; call it outside, and inside jitted code call the pure "
+                           "functions (jaxinfer.forward, ...)")
