@@ -404,3 +404,7 @@ def test_row_layouts_measured_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(row_layouts, "_CHOSEN", {})
     monkeypatch.setattr(row_layouts, "measure_reads", failing)
     assert row_layouts.choose_reads(every) == DEFAULT_READS  # a failed timing keeps the default, the engine starts
+    # bf16 weights are never timed (XLA:CPU's bf16 few-row products took minutes): the default
+    monkeypatch.setattr(row_layouts, "measure_reads", counting)
+    bf16 = with_gemm_weights(jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params))
+    assert row_layouts.choose_reads(bf16) == DEFAULT_READS and measured_again == [1]

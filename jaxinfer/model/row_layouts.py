@@ -46,13 +46,15 @@ _CHOSEN: dict[str, tuple[str, str]] = {}  # this process's answers, by `_key`
 def choose_reads(params: ModelParams, setting: str | tuple[str, str] = "auto") -> tuple[str, str]:
     """The `LinearLayouts.reads` an engine on this machine uses: `setting` itself when it
     names the layouts, else (for "auto") `DEFAULT_READS` for models under
-    `MEASURE_MIN_BYTES` of dense weights, else the answer measured once per machine and
-    model shapes (`measure_reads`, remembered in `$JAXINFER_CACHE/row_layouts.json`).
-    `params` must be in all layouts (`with_gemm_weights`)."""
+    `MEASURE_MIN_BYTES` of dense weights or with weights other than f32 (XLA:CPU's bf16
+    few-row products are slow enough that timing them took minutes, and the f32 answer is
+    what was measured), else the answer measured once per machine and model shapes
+    (`measure_reads`, remembered in `$JAXINFER_CACHE/row_layouts.json`). `params` must be in
+    all layouts (`with_gemm_weights`)."""
     if setting != "auto":
         return check_reads(setting)
     weights = _chain_weights(params)
-    if sum(w.nk.nbytes for w, _ in weights) < MEASURE_MIN_BYTES:
+    if sum(w.nk.nbytes for w, _ in weights) < MEASURE_MIN_BYTES or any(w.nk.dtype != np.float32 for w, _ in weights):
         return DEFAULT_READS
     key = _key(weights)
     if key not in _CHOSEN:
