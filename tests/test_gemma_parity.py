@@ -80,6 +80,28 @@ def test_gemma3_rope_bases_differ_per_layer_type(tmp_path):
     assert np.abs(all_position_logits(one_base, tokens) - want).max() > 1e-2
 
 
+@pytest.mark.parametrize("family", ["Gemma3", "Gemma2"])
+def test_a_config_without_window_or_rope_base_reads_as_transformers_defaults(tmp_path, family):
+    """A config.json without `sliding_window` (and, Gemma 3, without `rope_theta` /
+    `rope_local_base_freq` or `rope_parameters`) loads as transformers reads it: windows of 4096
+    on the local layers, global RoPE base 1e6 (it loaded all-global with one base of 10k)."""
+    import transformers
+
+    save_tiny(tmp_path, family, num_hidden_layers=3, sliding_window_pattern=3, **(
+        {"rope_parameters": None} if family == "Gemma3" else {}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("sliding_window", "rope_theta", "rope_local_base_freq", "rope_parameters", "rope_scaling"):
+        config.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = load_model(tmp_path)
+    assert ours.config.layer_windows[0] == hf.config.sliding_window == 4096
+    tokens = np.random.default_rng(3).integers(0, 211, (1, 40)).astype(np.int32)
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(all_position_logits(ours, tokens), want, atol=2e-4)
+
+
 def test_gemma_bad_config_names_the_field(tmp_path):
     save_tiny(tmp_path, "Gemma3", num_hidden_layers=2)
     config = json.loads((tmp_path / "config.json").read_text())

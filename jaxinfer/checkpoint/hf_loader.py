@@ -204,6 +204,8 @@ def config_from_hf(hf: dict[str, Any], file: Path, *, has_lm_head: bool = True) 
             f"{file}: unsupported architecture architectures={archs!r}; supported: {sorted(ARCHITECTURES | _MULTIMODAL)}"
         )
     arch = ARCHITECTURES[archs[0]]
+    if arch in _WINDOW_DEFAULTS:  # a config that leaves these out reads as transformers reads it
+        hf = _over_defaults(hf, _WINDOW_DEFAULTS[arch])
 
     def field(key: str) -> Any:
         return _required(hf, key, file)
@@ -440,6 +442,23 @@ _GEMMA3_TEXT_DEFAULTS = {
 }
 
 
+# transformers' Gemma2Config / Gemma3TextConfig defaults for the fields that decide which layers
+# are windowed and how they rotate: left out, a model would run all-global with another RoPE base
+_WINDOW_DEFAULTS = {
+    "gemma2": {"sliding_window": 4096},
+    "gemma3": {key: _GEMMA3_TEXT_DEFAULTS[key] for key in ("sliding_window", "rope_theta", "rope_local_base_freq")},
+}
+
+
+def _over_defaults(config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`config` over `defaults`; a default RoPE base gives way to one inside the RoPE parameters."""
+    merged = defaults | config
+    rope = merged.get("rope_parameters") or merged.get("rope_scaling") or {}
+    if "rope_theta" not in config and "rope_theta" in (rope.get("full_attention") or rope):
+        merged.pop("rope_theta", None)
+    return merged
+
+
 def _text_model(hf: dict[str, Any], weight_map: dict[str, str], file: Path
                 ) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
     """-> (the config of the text model, its tensors: our HF name -> (stored name, file)). A
@@ -451,10 +470,8 @@ def _text_model(hf: dict[str, Any], weight_map: dict[str, str], file: Path
         return hf, {name: (name, f) for name, f in weight_map.items()}
     if not isinstance(hf.get("text_config"), dict):
         raise CheckpointError(f"{file}: architectures={archs!r} needs a 'text_config'")
-    text = _GEMMA3_TEXT_DEFAULTS | hf["text_config"] | {k: hf[k] for k in ("eos_token_id", "bos_token_id") if k in hf}
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    if "rope_theta" not in hf["text_config"] and "rope_theta" in (rope.get("full_attention") or rope):
-        del text["rope_theta"]  # the default gives way to the base given inside the RoPE parameters
+    text = _over_defaults(hf["text_config"], _GEMMA3_TEXT_DEFAULTS) | {
+        k: hf[k] for k in ("eos_token_id", "bos_token_id") if k in hf}
     names = {}
     for name, f in weight_map.items():
         if name.startswith("language_model."):  # language_model.model.layers.0... -> model.layers.0...
