@@ -280,6 +280,9 @@ def test_bad_structured_outputs_raise_naming_the_field_and_lose_nothing(model):
             eng.add_request("x", SamplingParams(max_tokens=8, structured_outputs=fields))
     with pytest.raises(ValueError, match="structured_outputs="):
         SamplingParams(structured_outputs=["regex"])
+    eos = model.config.eos_ids[0]
+    with pytest.raises(ValueError, match="allowed_token_ids: none of these tokens may start"):
+        eng.add_request("x", SamplingParams(allowed_token_ids=[eos], structured_outputs={"choice": ["yes", "no"]}))
     without_tokenizer = engine(Model(config=model.config, params=model.params, tokenizer=None))
     with pytest.raises(ValueError, match="tokenizer"):
         without_tokenizer.add_request([1, 2], SamplingParams(structured_outputs={"regex": "a"}))

@@ -329,6 +329,11 @@ class Engine:
             vocab = self.model.config.vocab_size
             bad = BadWords(bad_word_ids(self.model.tokenizer, params.bad_words, vocab), vocab)
             matcher = bad if matcher is None else AllOf(matcher, bad)
+        if matcher is not None and params.allowed_token_ids is not None:
+            first = matcher.allowed().view(np.uint32)  # the request could not sample its first token
+            if not any(first[t // 32] >> np.uint32(t % 32) & 1 for t in params.allowed_token_ids):
+                raise ValueError("allowed_token_ids: none of these tokens may start the output that "
+                                 "structured_outputs / bad_words allow")
         room = self.max_model_len - len(ids)
         if room <= 0:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within "
