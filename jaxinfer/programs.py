@@ -165,9 +165,6 @@ def default_cache_dir() -> Path:
     return cache_dir() / "xla"
 
 
-CACHE_MAX_BYTES = 4 * 2**30  # the cache jaxinfer turns on keeps this much, least recently used out first
-
-
 def use_persistent_cache(setting: bool | str | os.PathLike = True) -> Path | None:
     """Turn on jax's persistent compilation cache; returns its directory, or None when off.
 
@@ -192,9 +189,9 @@ def use_persistent_cache(setting: bool | str | os.PathLike = True) -> Path | Non
         except OSError as e:
             logger.warning("compiled programs are not cached across restarts: cannot make %s (%s)", directory, e)
             return None
+        # (no jax_compilation_cache_max_size: jax's eviction fails every write into a cache that
+        # was filled without it, as earlier starts filled this one)
         jax.config.update("jax_compilation_cache_dir", str(directory))
-        if jax.config.jax_compilation_cache_max_size == -1:  # (jax's default: no bound)
-            jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if jax.default_backend() == "cpu":  # the GPU autotuning cache's path would enter every key: a moved cache missed
