@@ -610,7 +610,7 @@ async def _in_background(server: OpenAIServer, body: ResponsesRequest, chat: Cha
         server.responses.finish(response_id, final)
 
     server.responses.put(queued | {"status": "in_progress"}, history + body.input_items())
-    task = asyncio.create_task(generate())
+    task = server.responses.generate(generate())
     started = asyncio.create_task(accepted.wait())
     await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
     started.cancel()

@@ -17,10 +17,11 @@ generated on; `GET` shows it "in_progress" until it ends, `POST .../cancel` stop
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -269,6 +270,7 @@ class ResponseStore:
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._generating: set[asyncio.Task] = set()  # background responses' tasks (asyncio keeps only weak refs)
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         items = [item if "id" in item else {"id": responses_id("msg" if item.get("type", "message") == "message"
@@ -287,6 +289,13 @@ class ResponseStore:
         self.get(response_id)
         del self._kept[response_id]
         return {"id": response_id, "object": "response", "deleted": True}
+
+    def generate(self, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Run a background response's `work`, held until it ends."""
+        task = asyncio.create_task(work)
+        self._generating.add(task)
+        task.add_done_callback(self._generating.discard)
+        return task
 
     def wanted(self, response_id: str) -> bool:
         """Whether a background response's generation should go on: kept, and not cancelled."""
