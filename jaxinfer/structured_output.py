@@ -76,15 +76,18 @@ class StructuredOutputsParams:
         _check(len(given) == 1, "structured_outputs must set exactly one of json, json_object, regex, choice, "
                f"grammar (got {given or 'none'})")
         if self.json is not None:
-            _check(isinstance(self.json, (str, dict)), "structured_outputs.json must be a JSON schema (an object or "
-                   f"its JSON text), got {type(self.json).__name__}")
+            _check(isinstance(self.json, (str, dict)) or self.json is True,
+                   "structured_outputs.json must be a JSON schema (an object, its JSON text, or True for any JSON "
+                   f"value), got {self.json!r}"[:300])
             try:
                 text = self.json if isinstance(self.json, str) else json.dumps(self.json)
                 schema = json.loads(text)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            _check(isinstance(schema, (dict, bool)), "structured_outputs.json must be a JSON schema (an object)")
-            object.__setattr__(self, "json", text)  # frozen: the text, never a dict a caller could change
+            _check(isinstance(schema, dict) or schema is True,
+                   "structured_outputs.json must be a JSON schema (an object, or true for any JSON value)")
+            # frozen: the text, never a dict a caller could change (the schema `true` is `{}`, any value)
+            object.__setattr__(self, "json", "{}" if schema is True else text)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, str) and value != ""),

@@ -280,6 +280,9 @@ def test_bad_structured_outputs_raise_naming_the_field_and_lose_nothing(model):
             eng.add_request("x", SamplingParams(max_tokens=8, structured_outputs=fields))
     with pytest.raises(ValueError, match="structured_outputs="):
         SamplingParams(structured_outputs=["regex"])
+    assert StructuredOutputsParams(json=True).json == StructuredOutputsParams(json="true").json == "{}"  # any value
+    with pytest.raises(ValueError, match="structured_outputs.json must be a JSON schema"):
+        StructuredOutputsParams(json=False)
     eos = model.config.eos_ids[0]
     with pytest.raises(ValueError, match="allowed_token_ids: none of these tokens may start"):
         eng.add_request("x", SamplingParams(allowed_token_ids=[eos], structured_outputs={"choice": ["yes", "no"]}))

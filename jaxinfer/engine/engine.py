@@ -31,7 +31,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core  # (trace_state_clean has no public name)
 
 from jaxinfer import sharding
 from jaxinfer.attention.dispatch import kernel_names, kernels_by_default, require_reference
@@ -1354,10 +1353,17 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, desc="requests", unit="req", disable=not enabled)
 
 
+try:
+    from jax._src.core import trace_state_clean as _trace_state_clean  # (no public name)
+except ImportError:  # a jax without it: under a transformation even a constant is staged, a tracer
+    def _trace_state_clean() -> bool:
+        return not isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer)
+
+
 def _check_not_traced(method: str) -> None:
     """The engine is host-side Python over device state: under a jax transformation its
     state would take tracers, and every later request would fail."""
-    if not jax_core.trace_state_clean():
+    if not _trace_state_clean():
         raise RuntimeError(f"Engine.{method} was called under a jax transformation (jax.jit, vmap, grad, scan, ...): "
                            "the engine is host-side Python; call it outside, and inside jitted code call the pure "
                            "functions (jaxinfer.forward, ...)")
