@@ -432,9 +432,24 @@ def cmd_calibrate_kv(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from jaxinfer.server import serve
 
+    _check_port_free(args.host, args.port)  # before minutes of loading and compiling
     server = _server(args, warmup=True)
     if server is not None:
         serve(server, args.host, args.port, grace_s=args.grace_period)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ValueError when another socket already listens on host:port."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+            probe.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e} (is another server listening there? "
+                         "pick another --port)") from None
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:

@@ -126,6 +126,19 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
         assert status == 2 and named in err and "Traceback" not in err, (kind, args, err)
 
 
+def test_serve_refuses_a_port_in_use_before_loading(capsys):
+    """A port another server listens on is refused at once, naming it (not after the model has
+    loaded and the programs compiled)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, err = run_main(capsys, "serve", "--port", str(port), "--model", "/nonexistent/model.gguf")
+    assert status == 2 and f"cannot serve on 127.0.0.1:{port}" in err and "Traceback" not in err, err
+
+
 def test_serve_takes_vllms_flag_names():
     """vLLM's names for the same settings, so a vLLM command line works as it is."""
     from jaxinfer.cli import build_parser
