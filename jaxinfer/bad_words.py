@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxinfer.structured_output import BITS, bitmask_words
+from jaxinfer.structured_output import BITS, allows, bitmask_words
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -73,7 +73,7 @@ class BadWords:
         """Row j: what may follow drafts[: j + 1]; stops before the first draft a bad word forbids."""
         tail, masks = self._tail, [np.zeros((0, len(self._free)), np.int32)]
         for token in drafts:
-            if not self._mask(tail).view(np.uint32)[int(token) // BITS] >> np.uint32(int(token) % BITS) & 1:
+            if not allows(self._mask(tail), token):
                 break
             tail = self._extended(tail, token)
             masks.append(self._mask(tail)[None])

@@ -42,6 +42,11 @@ def bitmask_words(vocab: int) -> int:
     return -(-vocab // BITS)
 
 
+def allows(mask: np.ndarray, token: int) -> bool:
+    """Whether the packed bitmask i32[W] allows `token`."""
+    return bool(mask.view(np.uint32)[int(token) // BITS] >> np.uint32(int(token) % BITS) & 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a request's output must match (vLLM's `StructuredOutputsParams`): exactly one of

@@ -66,7 +66,7 @@ from jaxinfer.speculative.eagle.step import EagleBatch, EagleState, eagle_step
 from jaxinfer.speculative.step import DraftBatch, speculative_step
 from jaxinfer.step import PrefillBatch, StepBatch, engine_step, feed_decode_tokens, step_logits, step_logprobs
 from jaxinfer.structured_output import (AfterThinking, GrammarCompiler, GrammarMatcher, StructuredOutputsParams,
-                                       allow_all)
+                                       allow_all, allows)
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -329,8 +329,8 @@ class Engine:
             bad = BadWords(bad_word_ids(self.model.tokenizer, params.bad_words, vocab), vocab)
             matcher = bad if matcher is None else AllOf(matcher, bad)
         if matcher is not None and params.allowed_token_ids is not None:
-            first = matcher.allowed().view(np.uint32)  # the request could not sample its first token
-            if not any(first[t // 32] >> np.uint32(t % 32) & 1 for t in params.allowed_token_ids):
+            first = matcher.allowed()  # the request could not sample its first token
+            if not any(allows(first, t) for t in params.allowed_token_ids):
                 raise ValueError("allowed_token_ids: none of these tokens may start the output that "
                                  "structured_outputs / bad_words allow")
         room = self.max_model_len - len(ids)
