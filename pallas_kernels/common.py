@@ -26,6 +26,7 @@ divides; a row that sees no key and has no sink returns zeros.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -45,10 +46,13 @@ class AttentionOptions:
     soft_cap: float | None = None  # scores become soft_cap * tanh(score / soft_cap) before masking
 
     def __post_init__(self) -> None:
-        if self.window is not None and (not isinstance(self.window, int) or self.window <= 0):
+        if self.window is not None and (not isinstance(self.window, numbers.Integral) or self.window <= 0):
             raise ValueError(f"window={self.window!r} must be a positive int or None")
-        if not isinstance(self.num_sinks, int) or self.num_sinks < 0:
+        if not isinstance(self.num_sinks, numbers.Integral) or self.num_sinks < 0:
             raise ValueError(f"num_sinks={self.num_sinks!r} must be a non-negative int")
+        for name in ("window", "num_sinks"):  # numpy integers as ints: hashed and printed alike
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
         if self.soft_cap is not None and not self.soft_cap > 0:
             raise ValueError(f"soft_cap={self.soft_cap!r} must be positive or None")
 

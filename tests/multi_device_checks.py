@@ -94,10 +94,20 @@ def first_logits(model: Model, mesh, prompts=PROMPTS) -> np.ndarray:
     kv_sh = sharding.kv_shardings(kv, mesh)
     kv = sharding.put(kv, kv_sh)
     args = [sharding.put(a, sharding.by_replica(mesh)) for a in args]
-    fn = jax.jit(forward.__wrapped__, static_argnames=("config", "attention_impl", "mesh"),
+    fn = jax.jit(forward, static_argnames=("config", "attention_impl", "mesh"),
                  out_shardings=(sharding.replicated(mesh), kv_sh))
     logits, _ = fn(params, config, args[0], args[1], kv, args[2], args[3], mesh=mesh)
     return np.asarray(logits)
+
+
+def forward_with_a_foreign_page(model: Model) -> None:
+    """The README's functional example on a data=2 mesh: slot 1's page 3 is replica 0's."""
+    mesh = sharding.make_mesh("data=2,model=4")
+    spec = KVCacheSpec(num_pages=16, page_size=4, max_slots=2, max_pages_per_seq=2)
+    kv = init_paged_kv(model.config, spec).replace(block_tables=jnp.asarray(block_table_array([[1, 2], [3]], 2)))
+    kv = sharding.put(kv, sharding.kv_shardings(kv, mesh))
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    forward(sharding.shard_params(model.params, model.config, mesh), model.config, tokens, tokens, kv, mesh=mesh)
 
 
 def error_of(fn) -> str | None:
@@ -150,6 +160,7 @@ def check_meshes() -> dict:
                                                 EngineConfig(mesh=sharding.make_mesh("model=8")))),
         # meshes a user makes with jax itself: other axis names, jax.make_mesh's default Explicit axes
         "engine_axis_names": error_of(lambda: Engine(model, EngineConfig(mesh=jax.make_mesh((2, 4), ("dp", "tp"))))),
+        "forward_replica_pages": error_of(lambda: forward_with_a_foreign_page(model)),
         "explicit_axes": error_of(lambda: Engine(model, EngineConfig(max_slots=8, mesh=jax.make_mesh(
             (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)))),
     }

@@ -185,6 +185,7 @@ def test_bad_meshes_raise_clear_errors(meshes):
     assert "n_heads=6" in e["engine_heads"]
     assert "('dp', 'tp')" in e["engine_axis_names"] and "must be ('data', 'model')" in e["engine_axis_names"]
     assert "must be Auto" in e["explicit_axes"] and "Explicit" in e["explicit_axes"]
+    assert "slot 1 (data replica 1 of 2) holds page 3" in e["forward_replica_pages"]
 
 
 def test_pmap_generate_agrees_with_engine():

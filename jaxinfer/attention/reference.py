@@ -26,6 +26,8 @@ may put weight "nowhere".
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -78,9 +80,9 @@ def paged_attention_reference(
 
 def check_mask_options(num_heads: int, window, num_sinks, sink_logits, soft_cap) -> None:
     """Trace-time validation of the masking options; raises ValueError naming the bad one."""
-    if window is not None and (not isinstance(window, int) or window <= 0):
+    if window is not None and (not isinstance(window, numbers.Integral) or window <= 0):
         raise ValueError(f"window={window!r} must be None or a positive integer")
-    if not isinstance(num_sinks, int) or num_sinks < 0:
+    if not isinstance(num_sinks, numbers.Integral) or num_sinks < 0:
         raise ValueError(f"num_sinks={num_sinks!r} must be a non-negative integer")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap={soft_cap!r} must be None or positive")

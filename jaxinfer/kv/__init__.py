@@ -10,7 +10,7 @@
     allocator.py, prefix_cache.py, footprint.py, mesh_layout.py    host bookkeeping and layout
 """
 
-from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator, partition_pages
+from jaxinfer.kv.allocator import OutOfPagesError, PageAllocator, check_replica_pages, partition_pages
 from jaxinfer.kv.dense import LayerKV
 from jaxinfer.kv.footprint import kv_bytes_per_token
 from jaxinfer.kv.formats import FORMAT_NAMES, QUANTIZED_FORMATS
@@ -39,6 +39,7 @@ __all__ = [
     "StreamingSpec",
     "TokenQuantLayerKV",
     "block_table_array",
+    "check_replica_pages",
     "init_paged_kv",
     "kv_bytes_per_token",
     "make_layer_kv",

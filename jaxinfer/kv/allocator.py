@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxinfer.kv.pages import NULL_PAGE
 
 
@@ -157,3 +159,22 @@ def partition_pages(num_pages: int, parts: int) -> list[range]:
         raise ValueError(f"num_pages={num_pages} must be a multiple of {parts} partitions with >= 2 pages each")
     size = num_pages // parts
     return [range(max(r * size, NULL_PAGE + 1), (r + 1) * size) for r in range(parts)]
+
+
+def check_replica_pages(block_tables: np.ndarray, num_pages: int, parts: int) -> None:
+    """Raise ValueError where a slot's block table (i32[max_slots, max_pages]) holds a page
+    outside its data replica's range: on a `data=parts` mesh slot s belongs to replica
+    s // (max_slots / parts), which holds only `partition_pages(num_pages, parts)[r]`; another
+    replica's page would not be written and reads would land on another page, silently."""
+    tables = np.asarray(block_tables)
+    ranges = partition_pages(num_pages, parts)
+    replica = np.arange(len(tables)) // max(len(tables) // parts, 1)  # i32[max_slots]
+    low = np.asarray([ranges[r].start for r in replica])[:, None]
+    high = np.asarray([ranges[r].stop for r in replica])[:, None]
+    bad = (tables != NULL_PAGE) & ((tables < low) | (tables >= high))
+    if bad.any():
+        slot, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"slot {slot} (data replica {replica[slot]} of {parts}) holds page {int(tables[slot, j])}, outside its "
+                         f"replica's pages {ranges[replica[slot]]}: allocate each slot's pages from "
+                         f"partition_pages({num_pages}, {parts})[slot // {len(tables) // parts}] "
+                         "(PageAllocator(num_pages, pages=...))")

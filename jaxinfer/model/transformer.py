@@ -18,12 +18,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxinfer.attention import dispatch
 from jaxinfer.attention.mesh import sharded_write_and_attend, write_and_attend
 from jaxinfer.attention.rope import apply_rope, rope_inv_freq
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.allocator import check_replica_pages
 from jaxinfer.kv.layer_cache import LayerCache, stored_kv_heads
 from jaxinfer.kv.pages import WriteIndices, drop_writes_below
 from jaxinfer.kv.paged_state import PagedKVState, write_indices
@@ -189,6 +191,9 @@ def forward_hidden(
     With `taps` (layer indices), the streams after those layers instead, [B, T, len(taps), D]
     (an EAGLE-3 head fuses them); a tap must end a run of scanned layers (`layer_runs`'s
     `split_at`). `inputs` replaces the token embeddings (the EAGLE head feeds its fused features)."""
+    if kv.block_tables.shape[0] != kv.lengths.shape[0]:
+        raise ValueError(f"kv.block_tables has {kv.block_tables.shape[0]} rows but kv.lengths {kv.lengths.shape[0]}: "
+                         "one row per slot (replace both, or keep the table's shape)")
     idxs = [write_indices(kv, g.slots, g.num_new, g.tokens.shape[1]) for g in groups]
     # windowed layers of a hybrid model: their own pool, a ring of pages per slot (`jaxinfer.kv.window_ring`)
     ring_idxs = None if kv.window_tables is None else [ring_indices(i, kv.window_tables, kv.page_size, kv.window_pool_pages)
@@ -282,36 +287,63 @@ def _scan_run(decoder_layer, x: jax.Array, run: LayerStack, cache: LayerStack, w
     return x, LayerStack(pages)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))
 def forward(
     params: ModelParams,
     config: ModelConfig,
     tokens: jax.Array,  # i32[B, T]; row b appends to slot b
-    positions: jax.Array,  # i32[B, T]: RoPE positions of the tokens
+    positions: jax.Array,  # i32[B, T] (or i32[T], the same for every row): RoPE positions of the tokens
     kv: PagedKVState,
     num_new: jax.Array | None = None,  # i32[B]: valid tokens per row (rest is padding)
     logits_index: jax.Array | None = None,  # i32[B]: compute logits only at this position
     attention_impl: str = "reference",  # static: "auto" | "reference" | "pallas"
     mesh: jax.sharding.Mesh | None = None,  # static: the mesh params and cache are sharded on
 ) -> tuple[jax.Array, PagedKVState]:
-    """One group whose row b is slot b: `forward_groups` for the common case; donates `kv`.
+    """One group whose row b is slot b: `forward_groups` for the common case; jitted, donates `kv`.
 
     Returns logits f32[B, T, V] (f32[B, V] with `logits_index`) and the cache holding the
-    new K/V with advanced lengths.
+    new K/V with advanced lengths (by `num_new`, clipped to [0, T]).
 
     The caller owns the block tables: slot b must have pages for `kv.lengths[b] + num_new[b]`
     tokens. Inside jit nothing can raise on values, so a token past the pages it was given
     is not written (`write_indices`) and the logits of later positions are wrong; keep a
     `PageAllocator` (or count `ceil(length / page_size)` pages) per slot. `kv` is donated,
     block tables included: keep your own copy of a table as a numpy array, not a jax array
-    that went into `kv`.
+    that went into `kv` (`forward_groups`, not jitted, donates nothing: jit it your way).
+
+    On a mesh with `data` = D > 1, slot s belongs to replica s // (max_slots / D) and may hold
+    only that replica's pages, `jaxinfer.kv.partition_pages(num_pages, D)[replica]`; called
+    with concrete block tables (not under your own jit) this is checked here, a ValueError.
     """
+    if mesh is not None and mesh.shape.get("data", 1) > 1 and not isinstance(kv.block_tables, jax.core.Tracer):
+        check_replica_pages(np.asarray(kv.block_tables), kv.num_pages, mesh.shape["data"])
+    return _forward(params, config, tokens, positions, kv, num_new, logits_index, attention_impl=attention_impl,
+                    mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention_impl", "mesh"), donate_argnames=("kv",))
+def _forward(params, config, tokens, positions, kv, num_new=None, logits_index=None, attention_impl="reference",
+             mesh=None):
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be i32[B, T], got {tokens.dtype}{list(tokens.shape)}")
     b, t = tokens.shape
     if b > kv.max_slots:
         raise ValueError(f"batch size {b} exceeds the cache's max_slots={kv.max_slots}")
-    if num_new is None:
-        num_new = jnp.full((b,), t, jnp.int32)
-    group = TokenGroup(tokens, positions, jnp.arange(b, dtype=jnp.int32), num_new, logits_index,
+    positions = jnp.asarray(positions)
+    if positions.shape == (t,):
+        positions = jnp.broadcast_to(positions, (b, t))
+    num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new)
+    for name, a, shape in (("positions", positions, (b, t)), ("num_new", num_new, (b,)),
+                           ("logits_index", logits_index, (b,))):
+        if a is not None and (tuple(jnp.shape(a)) != shape or not jnp.issubdtype(jnp.asarray(a).dtype, jnp.integer)):
+            a = jnp.asarray(a)
+            raise ValueError(f"{name} must be i32{list(shape)} for tokens of shape [B, T] = {[b, t]}, "
+                             f"got {a.dtype}{list(a.shape)}")
+    num_new = jnp.clip(num_new, 0, t).astype(jnp.int32)  # values cannot raise under jit: clip to the row
+    group = TokenGroup(tokens, positions.astype(jnp.int32), jnp.arange(b, dtype=jnp.int32), num_new, logits_index,
                        by_replica=b == kv.max_slots)
     (logits,), kv = forward_groups(params, config, kv, (group,), attention_impl, mesh)
     return logits, kv
+
+
+forward.lower = _forward.lower  # ahead-of-time lowering, as on a jitted function
