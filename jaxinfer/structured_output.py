@@ -62,7 +62,10 @@ class StructuredOutputsParams:
     whitespace. An object that declares `properties` and leaves `additionalProperties` unset
     admits only those (`disable_additional_properties`, vLLM's field; on by default, as vLLM's
     default xgrammar backend compiles schemas): a small model given an open object keeps
-    inventing keys. False follows JSON Schema (undeclared keys allowed).
+    inventing keys. False follows JSON Schema (undeclared keys allowed). A schema keyword the
+    grammar cannot enforce (`uniqueItems`, `not`, `if`, ...: llguidance's list) is a ValueError
+    naming it, unless `ignore_unsupported_keywords` (llguidance's lenient mode): then it is
+    not enforced (the server's choice for OpenAI's non-strict schemas, which are best effort).
     """
 
     json: str | dict[str, Any] | None = None
@@ -72,11 +75,13 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = True
+    ignore_unsupported_keywords: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
-        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties",
+                     "ignore_unsupported_keywords"):
             _check(isinstance(getattr(self, name), bool), f"structured_outputs.{name}={getattr(self, name)!r} must be a bool")
         _check(len(given) == 1, "structured_outputs must set exactly one of json, json_object, regex, choice, "
                f"grammar (got {given or 'none'})")
@@ -116,7 +121,8 @@ class StructuredOutputsParams:
 
         try:
             if self.json is not None or self.json_object:
-                options = {"whitespace_flexible": not self.disable_any_whitespace}
+                options = {"whitespace_flexible": not self.disable_any_whitespace,
+                           "lenient": self.ignore_unsupported_keywords}
                 schema = self.json or '{"type": "object"}'
                 if self.disable_additional_properties:
                     schema = json.dumps(strict_schema(json.loads(schema), declared_only=True))

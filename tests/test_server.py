@@ -383,6 +383,8 @@ def test_tool_calls(srv, client):
     assert json.loads(call.function.arguments) in ({"unit": "c"}, {"unit": "f"})
     calls, finish = _streamed_calls(client.chat.completions.create(tool_choice=named, stream=True, **kw))
     assert calls == {0: {"name": "set_unit", "arguments": call.function.arguments}} and finish == "stop"
+    stopped = client.chat.completions.create(tool_choice=named, stop=['"', "unit"], **kw)  # a forced call is whole
+    assert stopped.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
 
     r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
     msg = r.choices[0].message
@@ -673,6 +675,24 @@ def test_responses_are_stored_and_continued(srv, client):
     assert again.output_text == streamed.output_text
 
 
+def test_a_stored_response_is_kept_from_its_start(srv, client):
+    """OpenAI's stored responses: `in_progress` while generating; a client that leaves
+    mid-stream leaves it `cancelled`, as far as it got; a streamed GET is a 400."""
+    body = {"model": NAME, "input": "Count to fifty", "instructions": ".", "max_output_tokens": 40, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{srv.url}/v1/responses", json=body, timeout=T) as r:
+        lines = r.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith("data: {"))[len("data: "):])
+        response_id = created["response"]["id"]
+        next(line for line in lines if '"response.output_text.delta"' in line)
+        assert client.responses.retrieve(response_id).status == "in_progress"
+    srv.wait_idle()  # leaving the block closed the connection mid-stream
+    left = client.responses.retrieve(response_id)
+    assert left.status == "cancelled" and left.output_text and srv.metric("jaxinfer_kv_pages_used") == 0
+    err = httpx.get(f"{srv.url}/v1/responses/{response_id}", params={"stream": "true"}, timeout=T)
+    assert err.status_code == 400 and err.json()["error"]["param"] == "stream"
+
+
 def _settled(client, response_id: str):
     """A background response once it has left "queued" / "in_progress"."""
     deadline = time.monotonic() + T
@@ -858,6 +878,26 @@ def test_structured_outputs_equal_engine(srv, client, model):
     alone = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": prompt, "structured_outputs": {
         "disable_any_whitespace": True}}, timeout=T)  # an option without a constraint
     assert alone.status_code == 400 and "exactly one of json" in alone.json()["error"]["message"], alone.text
+
+
+def test_keywords_the_grammar_cannot_enforce(srv, client):
+    """OpenAI's non-strict schemas are best effort: `uniqueItems` (pydantic's `set`) is not
+    enforced; strict ones refuse it by name, a tool's error naming that tool."""
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+            "required": ["tags"], "additionalProperties": False}
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "Tags?"}], max_tokens=8, temperature=0)
+    r = client.chat.completions.create(**kw, response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": tags}})
+    assert r.choices[0].message.content.startswith('{"tags"') or r.choices[0].message.content.lstrip().startswith("{")
+    tagger = {"type": "function", "function": {"name": "tag", "parameters": tags}}
+    r = client.chat.completions.create(**kw, tools=TOOLS + [tagger], tool_choice="required")
+    assert r.choices[0].message.tool_calls
+    for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": tags,
+                                                                                     "strict": True}}}, "response_format"),
+                        ({"tools": TOOLS + [{"type": "function", "function": tagger["function"] | {"strict": True}}],
+                          "tool_choice": "required"}, "tools.2.function.parameters")]:
+        err = httpx.post(f"{srv.url}/v1/chat/completions", json=kw | body, timeout=T)
+        assert err.status_code == 400 and err.json()["error"]["param"] == param, err.text
+        assert "uniqueItems" in err.json()["error"]["message"]
 
 
 def test_auth(small):

@@ -317,8 +317,9 @@ def check_generation_config(value: str) -> None:
 
 
 def _field_of(message: str) -> str | None:
-    """The field a ValueError message names: 'top_p=1.5 must be ...' -> 'top_p'."""
-    m = re.match(r"\s*([A-Za-z_]+)(\.[A-Za-z_]+)?\s*(=|:| must| is)", message)
+    """The field a ValueError message names: 'top_p=1.5 must be ...' -> 'top_p'; a tool's by
+    its path: 'tools.2.function.parameters: ...' -> that path."""
+    m = re.match(r"\s*(tools\.\d+\.function\.[a-z_]+|[A-Za-z_]+)(\.[A-Za-z_]+)?\s*(=|:| must| is)", message)
     return m.group(1) if m else None
 
 
@@ -425,6 +426,8 @@ async def chat_completions(server: OpenAIServer, raw: Request, body: ChatComplet
     one_call = body.parallel_tool_calls is False  # calls read from the text: the first kept (vLLM's rule)
     if parsed:
         params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
+    if body.calls_tools:  # a forced call ends where its grammar does: a stop string would cut its JSON
+        params = [dataclasses.replace(p, stop=()) for p in params]
     prompt_lps = await server.prompt_logprobs(body, ids)
     sink, rids = await server.submit([ids] * len(params), params, body.salt)
     if accepted is not None:
@@ -552,22 +555,31 @@ async def responses(server: OpenAIServer, raw: Request, body: ResponsesRequest):
     chat = body.to_chat(history)
     if body.background:
         return await _in_background(server, body, chat, history)
+    events = ResponseEvents(body, server.check_model(chat))
+    if body.store:  # retrievable as "in_progress" from the start, as OpenAI's stored responses are
+        server.responses.put(events.snapshot(ended=False), history + body.input_items())
     try:
         answer = await chat_completions(server, raw, chat)
     except ErrorBody as e:  # in the response request's names
+        server.responses.discard(events.id)
         raise renamed(e) from None
+    except BaseException:
+        server.responses.discard(events.id)
+        raise
     if not body.stream:
-        response = to_response(body, answer)
+        # no choice: the client left and its request was aborted
+        response = to_response(body, answer, events.id) if answer["choices"] else events.snapshot()
         if body.store:
-            server.responses.put(response, history + body.input_items())
+            server.responses.finish(events.id, response)
         return response
-    events = ResponseEvents(body, server.check_model(chat))
 
     async def stream():
-        async for event in events.translate(answer.body_iterator):
-            yield event
-        if body.store and events.final is not None:
-            server.responses.put(events.final, history + body.input_items())
+        try:
+            async for event in events.translate(answer.body_iterator):
+                yield event
+        finally:  # also when the client leaves mid-stream: kept as far as it got, "cancelled"
+            if body.store:
+                server.responses.finish(events.id, events.snapshot())
 
     return StreamingResponse(_guarded(stream(), raw), media_type="text/event-stream")
 
@@ -731,7 +743,10 @@ def create_app(server: OpenAIServer) -> FastAPI:
         return await responses(server, raw, body)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
+    async def get_response(response_id: str, stream: bool = False):
+        if stream:  # OpenAI resumes a background response's events here; background is not streamed here
+            raise ErrorBody(400, "stream: retrieving a response as a stream of events is not supported; "
+                                 "GET it without stream", param="stream")
         return server.responses.get(response_id).response
 
     @app.delete("/v1/responses/{response_id}")

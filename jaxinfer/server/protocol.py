@@ -18,7 +18,8 @@ from jaxinfer.sampling import MAX_LOGPROBS, SamplingParams
 from jaxinfer.server.tools import check_tools, constraint, template_message
 from jaxinfer.structured_output import StructuredOutputsParams, strict_schema
 
-STRUCTURED_OPTIONS = frozenset({"disable_any_whitespace", "disable_additional_properties"})  # options, not constraints
+STRUCTURED_OPTIONS = frozenset({"disable_any_whitespace", "disable_additional_properties",
+                                "ignore_unsupported_keywords"})  # options, not constraints
 
 
 class ErrorBody(Exception):
@@ -154,7 +155,9 @@ class _Common(Body):
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
             schema = rf.json_schema.json_schema
-            asked.append(("response_format", {"json": strict_schema(schema) if rf.json_schema.strict else schema}))
+            strict = bool(rf.json_schema.strict)  # OpenAI's strict mode refuses keywords it cannot enforce; else best effort
+            asked.append(("response_format", {"json": strict_schema(schema) if strict else schema,
+                                              "ignore_unsupported_keywords": not strict}))
         options = {}  # structured_outputs naming options only: they apply to another field's constraint (vLLM's merge)
         if self.structured_outputs is not None and set(self.structured_outputs) <= STRUCTURED_OPTIONS:
             options = self.structured_outputs

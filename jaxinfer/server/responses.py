@@ -281,9 +281,13 @@ class ResponseStore:
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         if (stored := self._kept.get(response_id)) is None:
-            raise ErrorBody(404, f"Response with id {response_id!r} not found (responses are kept in this server's "
-                                 "memory, and only those created with store true).", param=param)
+            raise ErrorBody(404, f"Response with id {response_id!r} not found (this server keeps responses in memory, "
+                                 f"the newest {self.capacity}, and none created with store false).", param=param)
         return stored
+
+    def discard(self, response_id: str) -> None:
+        """Forget a response that was refused after it was put (no error if it is not kept)."""
+        self._kept.pop(response_id, None)
 
     def delete(self, response_id: str) -> dict[str, Any]:
         self.get(response_id)
@@ -298,11 +302,11 @@ class ResponseStore:
         return task
 
     def wanted(self, response_id: str) -> bool:
-        """Whether a background response's generation should go on: kept, and not cancelled."""
+        """Whether a response's generation should go on: kept, and not cancelled."""
         return (stored := self._kept.get(response_id)) is not None and stored.response["status"] != "cancelled"
 
     def finish(self, response_id: str, response: dict[str, Any]) -> None:
-        """A background response's final state (unless it was cancelled or deleted meanwhile)."""
+        """A response's final state (unless it was cancelled or deleted meanwhile)."""
         if self.wanted(response_id):
             self._kept[response_id] = StoredResponse(response, self._kept[response_id].input_items)
 
@@ -354,6 +358,7 @@ class ResponseEvents:
         self._calls: dict[int, int] = {}  # tool-call index -> its item's output index
         self._sequence = 0
         self._finish: str | None = None
+        self._error: dict[str, Any] | None = None  # the error object, if the chat stream sent one
         self.final: dict[str, Any] | None = None  # the response, once the stream completed
 
     def _event(self, kind: str, **fields: Any) -> str:
@@ -364,6 +369,19 @@ class ResponseEvents:
     def _response(self, usage_: dict[str, int] | None = None) -> dict[str, Any]:
         return response_object(self.id, self.created, self.model, self.request, self.output, self._finish, usage_)
 
+    def snapshot(self, ended: bool = True) -> dict[str, Any]:
+        """The response as far as it got: the final one, "failed" after an error, else
+        "cancelled" once `ended` (the client left) or "in_progress"."""
+        if self.final is not None:
+            return self.final
+        if self._error is not None:
+            return self._response() | {"status": "failed", "error": {"code": self._error.get("code"),
+                                                                      "message": self._error.get("message")}}
+        if not ended:
+            return self._response()
+        self._close("incomplete")  # the item being written, as far as it got
+        return self._response() | {"status": "cancelled"}
+
     def start(self) -> list[str]:
         return [self._event("response.created", response=self._response()),
                 self._event("response.in_progress", response=self._response())]
@@ -371,7 +389,7 @@ class ResponseEvents:
     def chunk(self, data: dict[str, Any]) -> list[str]:
         """The events of one chat chunk (an error object becomes an `error` event)."""
         if "error" in data:
-            error = data["error"]
+            error = self._error = data["error"]
             return [self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))]
         events = []
         for choice in data.get("choices", []):

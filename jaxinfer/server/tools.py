@@ -17,7 +17,7 @@ import uuid
 from typing import Any
 
 from jaxinfer.reasoning import partial_suffix
-from jaxinfer.structured_output import strict_schema
+from jaxinfer.structured_output import StructuredOutputsParams, strict_schema
 
 
 # a function that declares no parameters takes none (OpenAI: "an empty parameter list")
@@ -42,6 +42,14 @@ def check_tools(tools: list | None, tool_choice: Any) -> None:
         raise ValueError(f"tool_choice: {_show(tool_choice)} needs tools")
     if not isinstance(tool_choice, str) and tool_choice.function.name not in names:
         raise ValueError(f"tool_choice: function {tool_choice.function.name!r} is not among tools {names}")
+    for i, tool in enumerate(tools):  # each schema the constraint holds, alone: an error names its tool
+        if tool_choice == "required" or tool.function.name == tool_choice.function.name:
+            try:
+                StructuredOutputsParams(json=arguments_schema(tool.function),
+                                        ignore_unsupported_keywords=not tool.function.strict).grammar_text()
+            except ValueError as e:
+                raise ValueError(f"tools.{i}.function.parameters: {str(e).removeprefix('structured_outputs.json: ')}"
+                                 ) from None
 
 
 def constraint(tools: list | None, tool_choice: Any, parallel_tool_calls: bool | None) -> dict[str, Any] | None:
@@ -57,8 +65,11 @@ def constraint(tools: list | None, tool_choice: Any, parallel_tool_calls: bool |
             schema["maxItems"] = 1
     else:
         schema = arguments_schema(next(t for t in tools if t.function.name == tool_choice.function.name).function)
-    # compact JSON, as OpenAI writes arguments: no tokens spent on layout
-    return {"json": schema, "disable_any_whitespace": True}
+    # compact JSON, as OpenAI writes arguments: no tokens spent on layout; keywords the grammar
+    # cannot enforce refused only for strict functions (OpenAI's strict mode refuses them too)
+    used = tools if tool_choice == "required" else [t for t in tools if t.function.name == tool_choice.function.name]
+    return {"json": schema, "disable_any_whitespace": True,
+            "ignore_unsupported_keywords": not any(t.function.strict for t in used)}
 
 
 def arguments_schema(function: Any) -> dict[str, Any]:
