@@ -74,10 +74,13 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: 'ngram' (prompt lookup), 'self:N' (the model's first N layers), "
                    "'draft[:DIR]' (a trained draft; default checkpoints/smollm2_draft) or 'eagle[:DIR]' (an EAGLE "
                    "head over the model's features; default checkpoints/smollm2_eagle)")
-    p.add_argument("--num-speculative", "--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens verified per step (k)")
+    p.add_argument("--num-speculative", "--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens verified per step (k; default 4)")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="steps with N or more decoding requests do not speculate ('ngram' and 'self:N' only)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's form instead of the flags above: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                   "\"prompt_lookup_max\": 3}' (method ngram, eagle, eagle3 or draft_model; model: a directory)")
 
 
 def _fit_context(config: EngineConfig, model: Model) -> EngineConfig:
@@ -88,11 +91,22 @@ def _fit_context(config: EngineConfig, model: Model) -> EngineConfig:
 def _speculative(args: argparse.Namespace):
     from jaxinfer.engine import SpeculativeConfig
 
+    if args.speculative_config is not None:
+        if any(v is not None for v in (args.speculative, args.num_speculative, args.speculative_disable_by_batch_size)):
+            raise ValueError("--speculative-config holds the whole config: not with --speculative, "
+                             "--num-speculative-tokens or --speculative-disable-by-batch-size")
+        try:
+            config = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        return SpeculativeConfig.from_vllm(config)
     if args.speculative is None:
-        if args.speculative_disable_by_batch_size is not None:
-            raise ValueError("--speculative-disable-by-batch-size needs --speculative")
+        for flag, value in (("--num-speculative-tokens", args.num_speculative),
+                            ("--speculative-disable-by-batch-size", args.speculative_disable_by_batch_size)):
+            if value is not None:  # vLLM refuses k without a method too: speculation would silently be off
+                raise ValueError(f"{flag} needs --speculative (or --speculative-config)")
         return None
-    return SpeculativeConfig.parse(args.speculative, args.num_speculative,
+    return SpeculativeConfig.parse(args.speculative, 4 if args.num_speculative is None else args.num_speculative,
                                    disable_by_batch_size=args.speculative_disable_by_batch_size)
 
 

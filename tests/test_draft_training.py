@@ -117,6 +117,26 @@ def test_draft_runs_through_the_paged_forward_over_its_subset():
     np.testing.assert_allclose(paged, full[..., 40:56], rtol=1e-5, atol=1e-5)
 
 
+def test_options_that_depend_on_the_target_are_checked_before_generating(monkeypatch):
+    """A layer count or vocabulary subset the target cannot give is refused at once, not after
+    the generation and teacher passes (minutes to an hour)."""
+    from jaxinfer.speculative.train import eagle, loop
+    from jaxinfer.speculative.train.eagle import EagleTrainingConfig, train_eagle
+
+    def generated(*args, **kwargs):
+        raise AssertionError("generated before checking the options")
+
+    for module in (eagle, loop):
+        monkeypatch.setattr(module, "generate_sequences", generated)
+    target = tiny_target()
+    with pytest.raises(ValueError, match="n_layers=45 must be in"):
+        dt.train_draft(target, dt.DraftTrainingConfig(n_layers=45), prompts=[[1, 2, 3]])
+    for train, cfg in ((dt.train_draft, dt.DraftTrainingConfig(vocab_subset=10**6)),
+                       (train_eagle, EagleTrainingConfig(vocab_subset=10**6))):
+        with pytest.raises(ValueError, match="vocab subset size 1000000"):
+            train(target, cfg, prompts=[[1, 2, 3]])
+
+
 def test_load_rejects_a_mismatching_target(tmp_path):
     target = tiny_target()
     draft = dt.init_draft(target, 1, np.arange(16, dtype=np.int32))

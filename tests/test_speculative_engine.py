@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +213,32 @@ def test_bad_speculative_configs_are_rejected(model):
             SpeculativeConfig("ngram", disable_by_batch_size=bad)
     with pytest.raises(ValueError, match="disable_by_batch_size works with 'ngram' and 'self'"):
         SpeculativeConfig("eagle", disable_by_batch_size=4)
+    with pytest.raises(ValueError, match="num_speculative=True"):
+        SpeculativeConfig("ngram", True)
+    with pytest.raises(ValueError, match="draft= is for 'draft' and 'eagle'"):
+        SpeculativeConfig("ngram", 4, draft="/nonexistent")
+
+
+def test_vllms_speculative_config_dict():
+    """vLLM's `speculative_config`: its keys and method names map onto SpeculativeConfig;
+    unknown keys are named, not ignored."""
+    from jaxinfer.speculative.checkpoint import DEFAULT_DRAFT_PATH
+    from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert SpeculativeConfig.from_vllm(ngram) == SpeculativeConfig("ngram", 5, ngram_max=4, ngram_min=1)
+    assert SpeculativeConfig.from_vllm({"prompt_lookup_max": 1}) == SpeculativeConfig("ngram", ngram_max=1, ngram_min=1)
+    for method in ("eagle", "eagle3"):
+        assert SpeculativeConfig.from_vllm({"method": method, "num_speculative_tokens": 2}) == SpeculativeConfig(
+            "eagle", 2, draft=str(DEFAULT_EAGLE_PATH))
+    assert SpeculativeConfig.from_vllm({"model": "/d", "num_speculative_tokens": 3}) == SpeculativeConfig("draft", 3, draft="/d")
+    assert SpeculativeConfig.from_vllm({"method": "draft_model"}).draft == str(DEFAULT_DRAFT_PATH)
+    assert EngineConfig(speculative={"method": "ngram"}).speculative == SpeculativeConfig("ngram")
+    for bad, needle in [({"method": "medusa"}, "method='medusa'"), ({"num_speculative_tokens": 2}, "needs a method"),
+                        ({"method": "ngram", "draft_tensor_parallel_size": 1}, "['draft_tensor_parallel_size']"),
+                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative=0")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            SpeculativeConfig.from_vllm(bad)
 
 
 @pytest.mark.parametrize("tied", [False, True])

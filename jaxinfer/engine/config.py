@@ -46,7 +46,8 @@ class EngineConfig:
     # "fp8_e4m3", "int4", ...), a `jaxinfer.kv.plan.KVCachePlan` or a plan JSON path
     # (`jaxinfer calibrate-kv`). Invalid names or plans raise ValueError.
     kv_cache: object = "auto"
-    # Speculative decoding (`SpeculativeConfig`: n-gram, self-speculation or a draft model);
+    # Speculative decoding (`SpeculativeConfig`: n-gram, self-speculation, a draft model or an
+    # EAGLE head; or vLLM's `speculative_config` dict, `SpeculativeConfig.from_vllm`);
     # None = one token per decoding slot per step.
     speculative: SpeculativeConfig | None = None
     # jax's persistent compilation cache, so a second start compiles nothing: True =
@@ -135,9 +136,12 @@ class EngineConfig:
         choice = kv_cache_choice(self.kv_cache, self.page_size)  # a bad name, plan file or page size: refused here
         if isinstance(self.kv_cache, (list, tuple)):  # per-layer names: kept as their (hashable) plan
             object.__setattr__(self, "kv_cache", choice)
+        if isinstance(self.speculative, dict):  # vLLM's `speculative_config` form
+            object.__setattr__(self, "speculative", SpeculativeConfig.from_vllm(self.speculative))
         if self.speculative is not None:
             if not isinstance(self.speculative, SpeculativeConfig):
-                raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+                raise ValueError(f"EngineConfig.speculative must be a SpeculativeConfig, vLLM's speculative_config "
+                                 f"dict or None, got {self.speculative!r}")
             if self.streaming is not None:
                 raise ValueError("speculative decoding is not supported with streaming caches")
             if self.async_scheduling:

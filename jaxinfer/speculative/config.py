@@ -58,7 +58,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"SpeculativeConfig.method={self.method!r} must be one of {METHODS}")
-        if not isinstance(self.num_speculative, int) or not 1 <= self.num_speculative <= 16:
+        if isinstance(self.num_speculative, bool) or not isinstance(self.num_speculative, int) or not 1 <= self.num_speculative <= 16:
             raise ValueError(f"SpeculativeConfig.num_speculative={self.num_speculative!r} must be an integer in [1, 16]")
         if not isinstance(self.ngram_min, int) or not isinstance(self.ngram_max, int) or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
@@ -73,6 +73,34 @@ class SpeculativeConfig:
                                  f"{self.method!r}: its own cache would miss the tokens of the steps that do not speculate")
         if self.method == "draft" and self.draft is None:
             raise ValueError("SpeculativeConfig(method='draft') needs draft=DraftModel(...) or a checkpoint path")
+        if self.method in ("ngram", "self") and self.draft is not None:
+            raise ValueError(f"SpeculativeConfig(method={self.method!r}) drafts without a model: draft= is for "
+                             "'draft' and 'eagle'")
+
+    @classmethod
+    def from_vllm(cls, config: dict) -> SpeculativeConfig:
+        """vLLM's `speculative_config` dict: `method` ("ngram", "eagle" / "eagle3", "draft_model"),
+        `num_speculative_tokens`, `prompt_lookup_max` / `prompt_lookup_min` (n-gram), `model` (the
+        draft's or EAGLE head's directory; none: the shipped one), `disable_by_batch_size`.
+        Other vLLM keys (a draft's tensor parallelism, quantization, ...) are refused by name."""
+        names = {"method": "method", "num_speculative_tokens": "num_speculative", "prompt_lookup_max": "ngram_max",
+                 "prompt_lookup_min": "ngram_min", "model": "draft", "disable_by_batch_size": "disable_by_batch_size"}
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict (vLLM's form), got {config!r}")
+        unknown = sorted(set(config) - set(names))
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported keys {unknown} (known: {sorted(names)})")
+        fields = {names[key]: value for key, value in config.items() if value is not None}
+        method = {"eagle3": "eagle", "draft_model": "draft"}.get(fields.get("method"), fields.get("method"))
+        if method is None:
+            method = "draft" if "draft" in fields else "ngram" if {"ngram_max", "ngram_min"} & set(fields) else None
+        if method is None:
+            raise ValueError("speculative_config needs a method ('ngram', 'eagle', 'eagle3', 'draft_model') or a model")
+        if method in ("draft", "eagle") and "draft" not in fields:
+            fields["draft"] = str(DEFAULT_DRAFT_PATH if method == "draft" else DEFAULT_EAGLE_PATH)
+        if method == "ngram" and "ngram_max" in fields and "ngram_min" not in fields:
+            fields["ngram_min"] = min(cls.ngram_min, fields["ngram_max"])  # vLLM's min defaults below its max
+        return cls(**(fields | {"method": method}))
 
     @classmethod
     def parse(cls, text: str, num_speculative: int = 4, **options) -> SpeculativeConfig:
@@ -86,11 +114,12 @@ class SpeculativeConfig:
             return cls("self", num_speculative, self_layers=int(arg) if arg else 4, **options)
         if method == "draft":
             return cls("draft", num_speculative, draft=arg or str(DEFAULT_DRAFT_PATH), **options)
-        if method == "eagle":
+        if method in ("eagle", "eagle3"):  # the shipped head is EAGLE-3's (vLLM's name for it)
             return cls("eagle", num_speculative, draft=arg or str(DEFAULT_EAGLE_PATH), **options)
         if method == "ngram" and not arg:
             return cls("ngram", num_speculative, **options)
-        raise ValueError(f"--speculative {text!r}: expected 'ngram', 'self:N', 'draft[:PATH]' or 'eagle[:PATH]'")
+        raise ValueError(f"--speculative {text!r}: expected 'ngram', 'self:N', 'draft[:PATH]' or 'eagle[:PATH]' "
+                         "('eagle3' too)")
 
 
 @dataclasses.dataclass

@@ -112,13 +112,17 @@ def self_written_prompts(target: Model, n: int, seed: int, max_tokens: int = 64,
     raise ValueError(f"the model wrote only {len(kept)} usable prompts in {sampled} tries; asked for {n}")
 
 
+def check_vocab_subset(n: int, vocab_size: int) -> None:
+    if not 1 <= n <= vocab_size:
+        raise ValueError(f"vocab subset size {n} must be in [1, {vocab_size}]")
+
+
 def frequency_ranked_vocab(sequences: Sequence[np.ndarray], vocab_size: int, n: int) -> np.ndarray:
     """i32[n]: the n most frequent token ids of `sequences`, most frequent first, ties by id.
 
     Ids that never occur rank after all that do (by id), so any n <= vocab_size works.
     """
-    if not 1 <= n <= vocab_size:
-        raise ValueError(f"vocab subset size {n} must be in [1, {vocab_size}]")
+    check_vocab_subset(n, vocab_size)
     counts = np.bincount(np.concatenate(sequences), minlength=vocab_size)  # i64[V]
     order = np.lexsort((np.arange(vocab_size), -counts))  # last key sorts first: count desc, then id
     return order[:n].astype(np.int32)

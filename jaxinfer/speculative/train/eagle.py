@@ -37,9 +37,9 @@ from jaxinfer.model.layers import apply_rope, linear, rms_norm, rope_inv_freq, s
 from jaxinfer.model.params import lm_head_weight
 from jaxinfer.speculative.eagle.head import (EagleParams, check_feature_layers, default_feature_layers, head_inputs,
                                              init_eagle_params, target_features)
-from jaxinfer.speculative.train.data import (Log, DistillData, frequency_ranked_vocab, generate_sequences,
-                                             held_out_split, pad_sequences, self_written_prompts, subset_coverage,
-                                             subset_targets)
+from jaxinfer.speculative.train.data import (Log, DistillData, check_vocab_subset, frequency_ranked_vocab,
+                                             generate_sequences, held_out_split, pad_sequences, self_written_prompts,
+                                             subset_coverage, subset_targets)
 from jaxinfer.speculative.train.dense import dense_streams
 from jaxinfer.speculative.train.loop import training_schedule
 from jaxinfer.speculative.train.prompts import expanded_prompts
@@ -243,6 +243,7 @@ def train_eagle(target: Model, cfg: EagleTrainingConfig = EagleTrainingConfig(),
     train -> (trained EagleParams, vocab_ids i32[Vd], figures for eagle.json)."""
     log = log or (lambda msg: None)
     feature_layers = cfg.resolved_feature_layers(target.config.n_layers)  # checked before an hour of generation
+    check_vocab_subset(cfg.vocab_subset, target.config.vocab_size)
     t0 = time.perf_counter()
     sequences, prompt_lengths, prompt_index = _sequences(target, cfg, prompts, sequences_file, log)
     t_gen = time.perf_counter()

@@ -25,8 +25,8 @@ from jaxinfer.loading import Model
 from jaxinfer.model.params import ModelParams
 from jaxinfer.speculative.checkpoint import trainable, with_trainable
 from jaxinfer.speculative.drafts.model import DraftModel, init_draft
-from jaxinfer.speculative.train.data import (Log, build_distill_data, frequency_ranked_vocab, generate_sequences,
-                                             held_out_split, subset_coverage, subset_targets)
+from jaxinfer.speculative.train.data import (Log, build_distill_data, check_vocab_subset, frequency_ranked_vocab,
+                                             generate_sequences, held_out_split, subset_coverage, subset_targets)
 from jaxinfer.speculative.train.dense import dense_logits
 from jaxinfer.speculative.train.prompts import DEFAULT_PROMPTS
 
@@ -163,6 +163,10 @@ def train_draft(target: Model, cfg: DraftTrainingConfig = DraftTrainingConfig(),
     applies the chat template to text prompts.
     """
     progress, log = log is not None, log or (lambda msg: None)
+    tc = target.config  # what depends on the target, checked before the generation (minutes to an hour)
+    if not 1 <= cfg.n_layers <= tc.n_layers:
+        raise ValueError(f"n_layers={cfg.n_layers} must be in [1, {tc.n_layers}] (the target's layers)")
+    check_vocab_subset(cfg.vocab_subset, tc.vocab_size)
     t0 = time.perf_counter()
     if prompts is None:
         if cfg.num_prompts > len(DEFAULT_PROMPTS):
