@@ -118,7 +118,7 @@ def part_programs(eng: Engine, batch, t: int, drafts: DraftBatch | None) -> dict
         proposal = Proposal(jnp.asarray(drafts.tokens), None)
         num_draft = jnp.asarray(drafts.num_draft)
         sample = jax.jit(lambda logits, s: verify_step(
-            logits, proposal, num_draft, s, jax.vmap(jax.random.split)(row_keys(s.seed, positions))[:, 0]))
+            logits, proposal, num_draft, s, jax.vmap(jax.random.split)(row_keys(s.seed, positions))[:, 0], positions))
         emitted = jnp.zeros((b, t), jnp.int32)
     if t == 1:  # the plain step's decode logits are f32[b, V]
         logprobs = jax.jit(lambda logits: token_logprobs(logits[:, 0], emitted[:, 0]))
