@@ -608,6 +608,16 @@ def test_responses_api(srv, client):
         final = s.get_final_response()  # vLLM's extras pass through to the chat request
     assert final.status == "completed" and final.output_text in ("yes", "no") and final.output[0].status == "completed"
     assert final.model_dump()["completed_at"] >= final.created_at
+    # logprobs: chat's, per output token (streamed with each delta too)
+    chat_lp = client.chat.completions.create(model=NAME, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+                                             messages=[{"role": "system", "content": "Be brief."},
+                                                       {"role": "user", "content": "Hello there"}])
+    want = [c.model_dump() for c in chat_lp.choices[0].logprobs.content]
+    r = client.responses.create(top_logprobs=2, include=["message.output_text.logprobs"], **kw)
+    assert [lp.model_dump() for lp in r.output[0].content[0].logprobs] == want and len(want) == 8
+    events = list(client.responses.create(stream=True, top_logprobs=2, **kw))
+    assert [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs] == want
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []  # not asked for
 
     unit = {"type": "function", "name": "set_unit", "parameters": UNIT}
     calls = dict(model=NAME, input="Unit?", tools=[unit], max_output_tokens=30, temperature=0, parallel_tool_calls=False)

@@ -60,6 +60,12 @@ class ResponsesRequest(Body):
     background: bool = False  # answer at once ("queued") and generate on; poll GET /v1/responses/{id}
     metadata: dict[str, str] | None = None
     user: str | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per output token (with their logprobs)
+    include: list[str] | None = None  # "message.output_text.logprobs": the output tokens' logprobs
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or "message.output_text.logprobs" in (self.include or ())
 
     def input_items(self) -> list[dict[str, Any]]:
         """`input` as items: a text is one user message."""
@@ -79,6 +85,8 @@ class ResponsesRequest(Body):
                 chat[name] = value
         if self.max_output_tokens is not None:
             chat["max_completion_tokens"] = self.max_output_tokens
+        if self.wants_logprobs:
+            chat |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.tools:
             chat["tools"] = [self._tool(i, tool) for i, tool in enumerate(self.tools)]
         if isinstance(self.tool_choice, dict):
@@ -156,7 +164,7 @@ class ResponsesRequest(Body):
                 "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "text": self.text or {"format": {"type": "text"}}, "metadata": self.metadata or {},
                 "previous_response_id": self.previous_response_id, "store": self.store, "user": self.user,
-                "background": self.background}
+                "background": self.background, "top_logprobs": self.top_logprobs}
 
 
 def _text(content: Any, param: str) -> str | None:
@@ -206,9 +214,11 @@ def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
             "total_tokens": chat_usage["total_tokens"]}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """status: "in_progress" (no content yet), "completed", or "incomplete" (cut short at max_output_tokens)."""
-    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict[str, Any]:
+    """status: "in_progress" (no content yet), "completed", or "incomplete" (cut short at max_output_tokens).
+    `logprobs`: per output token {"token", "logprob", "bytes", "top_logprobs"} (chat's entries)."""
+    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [],
+                                                   "logprobs": logprobs or []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -246,7 +256,8 @@ def to_response(request: ResponsesRequest, completion: dict[str, Any], response_
     if message.get("reasoning_content"):
         output.append(reasoning_item(responses_id("rs"), message["reasoning_content"], status))
     if message.get("content"):
-        output.append(message_item(responses_id("msg"), message["content"], status))
+        output.append(message_item(responses_id("msg"), message["content"], status,
+                                   (choice.get("logprobs") or {}).get("content")))
     for call in message.get("tool_calls") or []:
         output.append(call_item(responses_id("fc"), call, status))
     return response_object(response_id or responses_id("resp"), completion["created"], completion["model"], request,
@@ -397,7 +408,7 @@ class ResponseEvents:
             if delta.get("reasoning_content"):
                 events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
             for call in delta.get("tool_calls") or []:
                 events += self._call(call)
             if choice.get("finish_reason"):
@@ -409,13 +420,13 @@ class ResponseEvents:
             events.append(self._event(kind, response=self.final))
         return events
 
-    def _text(self, text: str) -> list[str]:
-        return self._written("message", text)
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
+        return self._written("message", text, logprobs)
 
     def _reasoning(self, text: str) -> list[str]:
         return self._written("reasoning", text)
 
-    def _written(self, kind: str, text: str) -> list[str]:
+    def _written(self, kind: str, text: str, logprobs: list[dict[str, Any]] = ()) -> list[str]:
         """`text` added to the open item of `kind` ("message" or "reasoning"), opened first."""
         message = kind == "message"
         events = []
@@ -423,14 +434,16 @@ class ResponseEvents:
             events += self._close()
             item = (message_item(responses_id("msg"), "", status="in_progress") if message else
                     reasoning_item(responses_id("rs"), "", status="in_progress"))
-            self._open = item | {"text": ""}
+            self._open = item | {"text": "", "logprobs": []}
             index = len(self.output)
             events.append(self._event("response.output_item.added", output_index=index, item=item))
             if message:
                 events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
                                           content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         self._open["text"] += text
-        delta = ("response.output_text.delta", {"logprobs": []}) if message else ("response.reasoning_text.delta", {})
+        self._open["logprobs"] += logprobs
+        delta = (("response.output_text.delta", {"logprobs": list(logprobs)}) if message else
+                 ("response.reasoning_text.delta", {}))
         return events + [self._event(delta[0], item_id=self._open["id"], output_index=len(self.output), content_index=0,
                                      delta=text, **delta[1])]
 
@@ -460,10 +473,10 @@ class ResponseEvents:
             events = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
                                   text=item["text"])]
         elif item["type"] == "message":
-            done = message_item(item["id"], item["text"], status)
+            done = message_item(item["id"], item["text"], status, item["logprobs"])
             part = done["content"][0]
             events = [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                                  text=item["text"], logprobs=[]),
+                                  text=item["text"], logprobs=item["logprobs"]),
                       self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                                   part=part)]
         else:
