@@ -89,6 +89,27 @@ def test_prefix_cache_reuses_shared_prefixes_and_changes_nothing(model):
     assert off.metrics().prefix_hits == 0
 
 
+def test_a_request_waiting_for_pages_counts_its_prefix_lookup_once(model):
+    """The head of the queue looks its prefix up at every step until pages free; the cache's
+    counters count one lookup per admission (they would follow the wait, not the reuse)."""
+    system = prompts(1, seed=5, lo=22, hi=23)[0]  # 5 full pages of 4
+    eng = engine(model, num_pages=14, max_slots=2)  # 13 usable pages
+    eng.generate([system + [1]], GREEDY)  # caches the 5 pages
+    before = eng.metrics()
+    eng.add_request(prompts(1, seed=8, lo=30, hi=31)[0], SamplingParams(temperature=0, max_tokens=18, ignore_eos=True))
+    eng.step()  # the hog takes most of the pool ...
+    eng.add_request(system + [2, 3], GREEDY)  # ... so this one waits several steps for pages
+    done, steps = {}, 1
+    while eng.has_unfinished_requests():
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+        steps += 1
+    m = eng.metrics()
+    # one lookup of its full prompt pages per admission (a preempted request is admitted again)
+    want = sum(((len(o.prompt_token_ids) - 1) // 4) * (1 + o.metrics.num_preemptions) for o in done.values())
+    assert steps > 5 and m.prefix_queries - before.prefix_queries == want < 40
+    assert m.prefix_hits - before.prefix_hits >= 5
+
+
 def test_different_salts_never_share_pages(model):
     p = prompts(1, seed=7, lo=30, hi=31)[0]
     eng = engine(model)

@@ -762,6 +762,12 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_spared(srv, client):
     assert hit == 16 * ((first.usage.prompt_tokens - 1) // 16) > 0
     r = client.responses.create(model=NAME, input=prompt[:60], max_output_tokens=1, store=False)
     assert r.usage.input_tokens_details.cached_tokens == hit
+    # tenants: `cache_salt`, else `user`, each its own namespace
+    tenant = "Tenant prompt: " + " ".join(["eight"] * 24)
+    for fields, cached in [({"user": "alice"}, False), ({"user": "alice"}, True), ({"cache_salt": "alice"}, False),
+                           ({"cache_salt": "alice"}, True), ({}, False)]:
+        r = client.completions.create(model=NAME, prompt=tenant, max_tokens=1, temperature=0, extra_body=fields)
+        assert (r.usage.prompt_tokens_details.cached_tokens > 0) == cached, fields
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, model):
@@ -964,13 +970,17 @@ def test_queue_full_is_429_and_spares_the_admitted(small):
 
 def test_more_choices_than_the_server_holds_are_a_400(model):
     """A 429 would be retried forever: no wait makes room for 5 choices on 2 slots + 2 queued."""
-    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, max_slots=2), NAME, max_queue=2, warmup=False))
+    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, max_slots=2, num_pages=3), NAME, max_queue=2,
+                                  warmup=False))
     try:
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 5}),
                            ("/v1/completions", {"prompt": "Hi", "n": 5}), ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2})):
             err = httpx.post(f"{s.url}{path}", json={"model": NAME, "max_tokens": 2} | body, timeout=T)
             assert err.status_code == 400 and "at most 4 requests" in err.json()["error"]["message"], err.text
         assert s.metric('jaxinfer_requests_rejected_total{reason="queue_full"}') == 0
+        # a request that fits the context but not a pool this small: a context error too (2 pages of 16)
+        err = httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 40}, timeout=T)
+        assert err.status_code == 400 and err.json()["error"]["code"] == "context_length_exceeded", err.text
     finally:
         s.stop()
 
@@ -1102,15 +1112,53 @@ def sse_events(url: str, body: dict) -> list[dict]:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
+def legacy_token(tok, token_id: int) -> str:
+    """OpenAI's legacy logprob token: its text, or "bytes:\\xNN.." for part of a character."""
+    raw = tok.token_bytes(token_id)
+    return raw.decode("utf-8") if _valid_utf8(raw) else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def text_offsets(tok, ids: list[int]) -> list[int]:
+    """Characters of the decoded text before each token (complete characters only)."""
+    raw = [tok.token_bytes(i) for i in ids]
+    return [len(b"".join(raw[:j]).decode("utf-8", errors="ignore")) for j in range(len(ids))]
+
+
+def test_completions_take_vllms_add_special_tokens(srv, model, monkeypatch):
+    """vLLM's `add_special_tokens` (default true): false encodes a text prompt without BOS (for a
+    prompt that holds it already); `use_beam_search` is refused, not ignored."""
+    tok, encode = model.tokenizer, model.tokenizer.encode
+    bos = tok.eos_ids[0]  # the tiny model's tokenizer adds nothing: play one that adds a BOS
+    monkeypatch.setattr(tok, "encode", lambda text, add_special_tokens=True: [bos] * add_special_tokens + encode(text))
+    body = {"model": NAME, "prompt": "Hi there", "max_tokens": 0, "echo": True, "logprobs": 0}
+    with_bos = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=T).json()["usage"]["prompt_tokens"]
+    without = httpx.post(f"{srv.url}/v1/completions", json=body | {"add_special_tokens": False}, timeout=T).json()
+    assert with_bos == without["usage"]["prompt_tokens"] + 1 == len(tok.encode("Hi there"))
+    err = httpx.post(f"{srv.url}/v1/completions", json=body | {"use_beam_search": True}, timeout=T)
+    assert err.status_code == 400 and err.json()["error"]["param"] == "use_beam_search"
+
+
+def test_legacy_logprobs_of_split_characters_stay_distinct(srv, model):
+    """Pieces of different UTF-8 characters are distinct "bytes:" tokens and top_logprobs keys
+    (as U+FFFD one would overwrite another), and offsets count the decoded text's characters."""
+    text = "日本語のテキスト🙂 и ещё"
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": NAME, "prompt": text, "max_tokens": 0, "echo": True,
+                                                        "logprobs": 5}, timeout=T).json()
+    lp, ids = r["choices"][0]["logprobs"], model.tokenizer.encode(text, add_special_tokens=False)
+    assert lp["tokens"] == [legacy_token(model.tokenizer, i) for i in ids] and any(t.startswith("bytes:") for t in lp["tokens"])
+    assert lp["text_offset"] == text_offsets(model.tokenizer, ids) and lp["text_offset"][-1] < len(text)
+    assert all(len(top) >= 5 for top in lp["top_logprobs"][1:])  # 5 distinct alternatives (+ the token)
+
+
 def check_completion_logprobs(lp: dict, tok, want) -> None:
     """The legacy object equals the engine's per-token logprobs (`want`: a RequestOutput)."""
-    texts = [tok.token_text(i) for i in want.token_ids]
+    texts = [legacy_token(tok, i) for i in want.token_ids]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
     assert lp["tokens"] == texts
-    assert lp["text_offset"] == list(itertools.accumulate(map(len, texts), initial=0))[:-1]
+    assert lp["text_offset"] == text_offsets(tok, want.token_ids)
     assert lp["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-5)
     # the top alternatives in order, then the token itself where it is not among them (OpenAI's "logprobs + 1")
-    tops = [{tok.token_text(i): v for i, v in alts} | {text: v} | {tok.token_text(i): v for i, v in alts}
+    tops = [{legacy_token(tok, i): v for i, v in alts} | {text: v} | {legacy_token(tok, i): v for i, v in alts}
             for text, v, alts in zip(texts, want.logprobs, want.top_logprobs)]
     assert [list(d) for d in lp["top_logprobs"]] == [list(d) for d in tops]
     assert [list(d.values()) for d in lp["top_logprobs"]] == [pytest.approx(list(d.values()), abs=1e-5) for d in tops]

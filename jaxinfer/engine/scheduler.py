@@ -235,6 +235,9 @@ class Scheduler:
                 allocator.free(cached)
                 return  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if self.enable_prefix_caching:  # once per admission: a head that waits for pages looks up again
+                self.stats.prefix_queries += len(self._usable_hashes(req))
+                self.stats.prefix_hits += len(cached)
             self.free_slots.remove(slot)
             req.pages = cached
             self.changed_slots.add(slot)
@@ -276,11 +279,7 @@ class Scheduler:
         """
         if not self.enable_prefix_caching:
             return []
-        usable = self._usable_hashes(req)
-        pages = allocator.lookup(usable)
-        self.stats.prefix_queries += len(usable)
-        self.stats.prefix_hits += len(pages)
-        return pages
+        return allocator.lookup(self._usable_hashes(req))
 
     def _extend_prefix_hit(self, req: Request) -> None:
         """Before a prefill chunk: take pages another request has cached since admission.

@@ -103,7 +103,8 @@ class OpenAIServer:
         prompts, generating, vocab = [], body.max_tokens != 0, self.loop.engine.model.config.vocab_size
         for one in batch:
             if isinstance(one, str):
-                ids = self._tokenize("prompt", lambda tok: tok.encode(one))
+                special = body.add_special_tokens
+                ids = self._tokenize("prompt", lambda tok: tok.encode(one, add_special_tokens=special))
             elif bad := [i for i in one if not 0 <= i < vocab]:  # checked here: echo decodes and scores them first
                 raise ErrorBody(400, f"prompt: token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
             else:
@@ -194,6 +195,9 @@ class OpenAIServer:
             raise ErrorBody(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if getattr(body, "suffix", None):
             raise ErrorBody(400, "suffix is not supported: this server does not fill in the middle", param="suffix")
+        if getattr(body, "use_beam_search", False):
+            raise ErrorBody(400, "use_beam_search is not supported: this server samples (ask for n choices and pick)",
+                            param="use_beam_search")
         if (getattr(body, "best_of", None) or 1) > 1:
             raise ErrorBody(400, "best_of > 1 is not supported: ask for n choices (with logprobs) and pick",
                             param="best_of")
@@ -247,7 +251,8 @@ class OpenAIServer:
             message = str(event[1])
             param = ("max_tokens" if message.startswith("prompt of") else
                      "prompt" if message.startswith("prompt") else _field_of(message))
-            raise ErrorBody(400, message, param=param, code="context_length_exceeded" if "max_model_len" in message else None)
+            too_long = "max_model_len" in message or "more pages than a request can hold" in message
+            raise ErrorBody(400, message, param=param, code="context_length_exceeded" if too_long else None)
         if event[0] == "failed":
             raise engine_failure(event[2])
         return sink, rids

@@ -10,11 +10,13 @@ Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "lo
 vLLM's `prompt_logprobs` (both): per prompt token, None for the first, then
 `{"<token id>": {"logprob", "rank", "decoded_token"}}` for the token and its top alternatives.
 A token's text is its bytes decoded on their own: a byte-level piece holding part of a UTF-8
-character shows U+FFFD there, and `bytes` (chat) keeps the raw bytes.
+character shows U+FFFD there (chat, whose `bytes` keep the raw bytes) or OpenAI's
+"bytes:\\xNN" form (legacy completions, whose `top_logprobs` are keyed by that text).
 """
 
 from __future__ import annotations
 
+import codecs
 import itertools
 
 from jaxinfer.engine import RequestOutput
@@ -29,16 +31,30 @@ def tokens_of(out: RequestOutput, new_only: bool) -> tuple[list[int], list[float
     return ids, out.logprobs[start:], out.top_logprobs[start:]
 
 
+def legacy_token(tok: Tokenizer, token_id: int) -> str:
+    """A token as the legacy object writes it: its text, or OpenAI's "bytes:\\xe4\\xbd" when its
+    bytes are part of a UTF-8 character, so pieces of different characters stay distinct
+    `top_logprobs` keys (as U+FFFD they would overwrite each other)."""
+    raw = tok.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def completion_logprobs(tok: Tokenizer, ids: list[int], logprobs: list[float | None],
                         top: list[list[tuple[int, float]] | None], offset: int = 0) -> tuple[dict, int]:
     """-> (the legacy object, the text offset after these tokens); `offset` is where they start.
     Each token's `top_logprobs` holds the token itself too (OpenAI: "up to logprobs + 1
-    elements"). None entries (an echoed prompt's first token) stay None."""
-    texts = [tok.token_text(i) for i in ids]
-    starts = list(itertools.accumulate((len(t) for t in texts), initial=offset))
+    elements"). None entries (an echoed prompt's first token) stay None. `text_offset` counts
+    the characters of the decoded text before each token (a character split over tokens counts
+    once, where it completes)."""
+    texts = [legacy_token(tok, i) for i in ids]
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    starts = list(itertools.accumulate((len(decoder.decode(tok.token_bytes(i))) for i in ids), initial=offset))
 
     def with_token(text: str, logprob: float, alts: list[tuple[int, float]]) -> dict[str, float]:
-        top = {tok.token_text(i): v for i, v in alts}
+        top = {legacy_token(tok, i): v for i, v in alts}
         return top if text in top else top | {text: logprob}
 
     obj = {"tokens": texts, "token_logprobs": logprobs, "text_offset": starts[:-1],

@@ -196,7 +196,11 @@ class _Common(Body):
 
     @property
     def salt(self) -> str | None:
-        return self.cache_salt if self.cache_salt is not None else self.user
+        """The prefix cache's tenant: `cache_salt`, else `user` (a namespace of its own: a
+        cache_salt equal to someone's user id does not reach their pages)."""
+        if self.cache_salt is not None:
+            return self.cache_salt
+        return None if self.user is None else f"\x00user:{self.user}"
 
     @property
     def include_usage(self) -> bool:
@@ -208,6 +212,8 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None  # refused unless empty: no fill-in-the-middle
     best_of: int | None = Field(None, ge=1)  # refused above 1 (as vLLM's v1 engine does)
+    add_special_tokens: bool = True  # extra (vLLM's): False encodes a text prompt without BOS and the like
+    use_beam_search: bool = False  # extra (vLLM's): refused when true, as best_of > 1
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
 
     @property
