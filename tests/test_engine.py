@@ -146,13 +146,23 @@ def test_bad_input_raises_at_add_request_and_serving_continues(model):
         kwargs.setdefault("params", GREEDY)
         with pytest.raises(ValueError, match=message):
             eng.add_request(**kwargs)
-    with pytest.raises(ValueError, match="pages"):
-        engine(model, num_pages=4).add_request([1] * 10, GREEDY)
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()
     assert outs[-1].request_id == rid and outs[-1].finished and len(outs[-1].token_ids) == 10
     assert eng.scheduler.allocator.num_allocated == 0
+
+
+def test_a_pool_smaller_than_the_context_cuts_max_model_len(model, caplog):
+    """3 usable pages of 4 hold 12 tokens of one request: max_model_len is cut to 12, with a
+    warning naming both (vLLM refuses to start), so requests are capped as at the context."""
+    with caplog.at_level("WARNING"):
+        small = engine(model, num_pages=4)
+    assert small.max_model_len == 12 and "max_model_len is cut to 12" in caplog.text
+    with pytest.raises(ValueError, match="leaves no room"):
+        small.add_request([1] * 12, GREEDY)
+    out = small.generate([[1] * 10], GREEDY)[0]
+    assert (len(out.token_ids), out.finish_reason) == (2, "length")
 
 
 def test_invalid_engine_config_is_rejected(model):

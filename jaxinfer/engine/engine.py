@@ -195,6 +195,14 @@ class Engine:
             max_pages_per_seq=pages_per_seq if stream else None,
             num_speculative=k, data_parallel=data,
         )
+        pool_tokens = self.scheduler.max_request_pages * config.page_size
+        if stream is None and self.scheduler.release_window is None and pool_tokens < max_len:
+            # vLLM refuses to start here; cut, a small pool (a notebook's, a test's) still serves, and
+            # a server's default max_tokens ("the rest of the context") fits the pool
+            logger.warning("num_pages=%d holds at most %d tokens per request, below max_model_len=%d: max_model_len "
+                           "is cut to %d (leave num_pages unset, or raise it, for the whole context)",
+                           num_pages, pool_tokens, max_len, pool_tokens)
+            self.max_model_len = pool_tokens
         self.context_buckets = context_buckets(pages_per_seq, -(-config.min_context_bucket // config.page_size))
         self.decode_row_buckets = decode_row_buckets(config, data)
         self.requests: dict[str, Request] = {}
