@@ -174,7 +174,7 @@ def check_replica_pages(block_tables: np.ndarray, num_pages: int, parts: int) ->
     bad = (tables != NULL_PAGE) & ((tables < low) | (tables >= high))
     if bad.any():
         slot, j = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"slot {slot} (data replica {replica[slot]} of {parts}) holds page {int(tables[slot, j])}, outside its "
-                         f"replica's pages {ranges[replica[slot]]}: allocate each slot's pages from "
+        raise ValueError(f"slot {slot} (data replica {replica[slot]} of {parts}) holds page {int(tables[slot, j])}, "
+                         f"outside its replica's pages {ranges[replica[slot]]}: allocate each slot's pages from "
                          f"partition_pages({num_pages}, {parts})[slot // {len(tables) // parts}] "
                          "(PageAllocator(num_pages, pages=...))")

@@ -333,10 +333,10 @@ def _forward(params, config, tokens, positions, kv, num_new=None, logits_index=N
     if positions.shape == (t,):
         positions = jnp.broadcast_to(positions, (b, t))
     num_new = jnp.full((b,), t, jnp.int32) if num_new is None else jnp.asarray(num_new)
+    logits_index = None if logits_index is None else jnp.asarray(logits_index)
     for name, a, shape in (("positions", positions, (b, t)), ("num_new", num_new, (b,)),
                            ("logits_index", logits_index, (b,))):
-        if a is not None and (tuple(jnp.shape(a)) != shape or not jnp.issubdtype(jnp.asarray(a).dtype, jnp.integer)):
-            a = jnp.asarray(a)
+        if a is not None and (a.shape != shape or not jnp.issubdtype(a.dtype, jnp.integer)):
             raise ValueError(f"{name} must be i32{list(shape)} for tokens of shape [B, T] = {[b, t]}, "
                              f"got {a.dtype}{list(a.shape)}")
     num_new = jnp.clip(num_new, 0, t).astype(jnp.int32)  # values cannot raise under jit: clip to the row

@@ -58,7 +58,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"SpeculativeConfig.method={self.method!r} must be one of {METHODS}")
-        if isinstance(self.num_speculative, bool) or not isinstance(self.num_speculative, int) or not 1 <= self.num_speculative <= 16:
+        k = self.num_speculative
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:  # (a bool is an int)
             raise ValueError(f"SpeculativeConfig.num_speculative={self.num_speculative!r} must be an integer in [1, 16]")
         if not isinstance(self.ngram_min, int) or not isinstance(self.ngram_max, int) or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
