@@ -137,6 +137,17 @@ def test_options_that_depend_on_the_target_are_checked_before_generating(monkeyp
             train(target, cfg, prompts=[[1, 2, 3]])
 
 
+def test_a_checkpoint_of_the_other_kind_is_named():
+    from jaxinfer.speculative.checkpoint import DEFAULT_DRAFT_PATH, read_draft_info
+    from jaxinfer.speculative.eagle import DEFAULT_EAGLE_PATH
+    from jaxinfer.speculative.eagle.checkpoint import read_eagle_info
+
+    with pytest.raises(FileNotFoundError, match="holds an EAGLE head: use eagle:PATH"):
+        read_draft_info(DEFAULT_EAGLE_PATH)
+    with pytest.raises(FileNotFoundError, match="holds a trained draft: use draft:PATH"):
+        read_eagle_info(DEFAULT_DRAFT_PATH)
+
+
 def test_load_rejects_a_mismatching_target(tmp_path):
     target = tiny_target()
     draft = dt.init_draft(target, 1, np.arange(16, dtype=np.int32))

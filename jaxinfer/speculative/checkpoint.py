@@ -100,7 +100,8 @@ def read_draft_info(path: str | Path) -> dict:
     """The `draft.json` of a trained-draft directory (checks the format)."""
     file = Path(path) / DRAFT_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{path}: not a trained draft directory (no {DRAFT_FILE})")
+        hint = " (it holds an EAGLE head: use eagle:PATH)" if (Path(path) / "eagle.json").is_file() else ""
+        raise FileNotFoundError(f"{path}: not a trained draft directory (no {DRAFT_FILE}){hint}")
     info = json.loads(file.read_text())
     if (info.get("format"), info.get("version")) != (DRAFT_FORMAT, DRAFT_VERSION):
         raise ValueError(f"{file}: unsupported draft format {info.get('format')!r} v{info.get('version')!r}")

@@ -20,7 +20,8 @@ import numpy as np
 
 from jaxinfer.loading import Model
 from jaxinfer.model.params import LayerParams, expected_shapes
-from jaxinfer.speculative.checkpoint import STORED_DTYPE, TARGET_SHAPE_FIELDS, check_target_matches, shipped_checkpoint
+from jaxinfer.speculative.checkpoint import (DRAFT_FILE, STORED_DTYPE, TARGET_SHAPE_FIELDS, check_target_matches,
+                                             shipped_checkpoint)
 from jaxinfer.speculative.eagle.head import EagleHead, EagleParams, bind_head
 
 DEFAULT_EAGLE_PATH = shipped_checkpoint("smollm2_eagle")
@@ -64,7 +65,8 @@ def save_eagle_head(params: EagleParams, vocab_ids: np.ndarray, target: Model, p
 def read_eagle_info(path: str | Path) -> dict:
     file = Path(path) / EAGLE_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"{path}: not an EAGLE head directory (no {EAGLE_FILE})")
+        hint = " (it holds a trained draft: use draft:PATH)" if (Path(path) / DRAFT_FILE).is_file() else ""
+        raise FileNotFoundError(f"{path}: not an EAGLE head directory (no {EAGLE_FILE}){hint}")
     info = json.loads(file.read_text())
     if (info.get("format"), info.get("version")) != (EAGLE_FORMAT, EAGLE_VERSION):
         raise ValueError(f"{file}: unsupported format {info.get('format')!r} v{info.get('version')!r}")
