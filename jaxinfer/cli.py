@@ -147,6 +147,12 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: enough for every slot)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens a request prefills per step")
+    p.add_argument("--max-prefill-rows", type=int, default=1,
+                   help="prompts that prefill side by side in one step (more: a short prompt's first token does "
+                        "not wait behind a long prompt's chunks)")
+    p.add_argument("--max-tokens-per-step", "--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one step may run (decode, drafts and prefill rows; vLLM's max_num_batched_tokens); "
+                        "default: all that fit")
     p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                    help="do not reuse the KV pages of a prompt prefix computed before")
     _add_speculative_flags(p)
@@ -503,7 +509,8 @@ def _server(args: argparse.Namespace, warmup: bool):
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     mesh = _mesh(args)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
-                          prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
+                          prefill_chunk=args.prefill_chunk, max_prefill_rows=args.max_prefill_rows,
+                          max_tokens_per_step=args.max_tokens_per_step, enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=args.max_model_len, attention_impl=args.attention_impl,
                           speculative=_speculative(args), async_scheduling=args.async_scheduling,
                           kv_cache=args.kv_cache, compilation_cache=not args.no_compilation_cache,

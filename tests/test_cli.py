@@ -119,6 +119,8 @@ def test_bad_input_exits_with_a_clear_message(tmp_path, capsys):
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
     for args, named in [(("--tool-call-parser", "mistral"), "tool_call_parser='mistral': the parsers are hermes, llama3_json"),
                         (("--enable-auto-tool-choice",), "needs --tool-call-parser"),
+                        (("--max-prefill-rows", "0"), "max_prefill_rows=0"),
+                        (("--max-num-batched-tokens", "0"), "max_tokens_per_step=0"),
                         (("--kv-cache", "int3"), "kv_cache='int3'")]:
         status, err = run_main(capsys, "serve", *args)  # refused before the model loads
         assert status == 2 and named in err and "Traceback" not in err, (args, err)
@@ -150,6 +152,8 @@ def test_serve_takes_vllms_flag_names():
     args = build_parser().parse_args(["serve", "--max-num-seqs", "3", "--block-size", "32", "--no-enable-prefix-caching",
                                       "--speculative", "ngram", "--num-speculative-tokens", "2"])
     assert (args.max_slots, args.page_size, args.no_prefix_caching, args.num_speculative) == (3, 32, True, 2)
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "256", "--max-prefill-rows", "2"])
+    assert (args.max_tokens_per_step, args.max_prefill_rows) == (256, 2)
 
 
 def test_chat_template_flag_replaces_the_models_template(smollm2_gguf, tmp_path):
