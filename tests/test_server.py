@@ -968,19 +968,29 @@ def test_queue_full_is_429_and_spares_the_admitted(small):
 
 
 
+def test_a_pool_smaller_than_the_context_cuts_what_the_server_serves(model):
+    """A pool of 2 pages of 16 holds 32 tokens of one request: the server reports and serves
+    that context (a default max_tokens fits it; more is a context_length_exceeded)."""
+    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, num_pages=3), NAME, warmup=False))
+    try:
+        assert httpx.post(f"{s.url}/tokenize", json={"prompt": "Hi"}, timeout=T).json()["max_model_len"] == 32
+        ok = httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": None}, timeout=T)
+        assert ok.status_code == 200 and ok.json()["usage"]["total_tokens"] <= 32, ok.text
+        err = httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 40}, timeout=T)
+        assert err.status_code == 400 and err.json()["error"]["code"] == "context_length_exceeded", err.text
+    finally:
+        s.stop()
+
+
 def test_more_choices_than_the_server_holds_are_a_400(model):
     """A 429 would be retried forever: no wait makes room for 5 choices on 2 slots + 2 queued."""
-    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, max_slots=2, num_pages=3), NAME, max_queue=2,
-                                  warmup=False))
+    s = ServerThread(build_server(model, dataclasses.replace(ENGINE, max_slots=2), NAME, max_queue=2, warmup=False))
     try:
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 5}),
                            ("/v1/completions", {"prompt": "Hi", "n": 5}), ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2})):
             err = httpx.post(f"{s.url}{path}", json={"model": NAME, "max_tokens": 2} | body, timeout=T)
             assert err.status_code == 400 and "at most 4 requests" in err.json()["error"]["message"], err.text
         assert s.metric('jaxinfer_requests_rejected_total{reason="queue_full"}') == 0
-        # a request that fits the context but not a pool this small: a context error too (2 pages of 16)
-        err = httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 40}, timeout=T)
-        assert err.status_code == 400 and err.json()["error"]["code"] == "context_length_exceeded", err.text
     finally:
         s.stop()
 
