@@ -79,8 +79,9 @@ def _add_speculative_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
                    help="steps with N or more decoding requests do not speculate ('ngram' and 'self:N' only)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="vLLM's form instead of the flags above: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                   "\"prompt_lookup_max\": 3}' (method ngram, eagle, eagle3 or draft_model; model: a directory)")
+                   help="vLLM's form instead of the flags above: '{\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 3}' (method ngram, eagle, eagle3 or "
+                   "draft_model; model: a directory)")
 
 
 def _fit_context(config: EngineConfig, model: Model) -> EngineConfig:
@@ -510,7 +511,8 @@ def _server(args: argparse.Namespace, warmup: bool):
     mesh = _mesh(args)
     config = EngineConfig(max_slots=args.max_slots, page_size=args.page_size, num_pages=args.num_pages,
                           prefill_chunk=args.prefill_chunk, max_prefill_rows=args.max_prefill_rows,
-                          max_tokens_per_step=args.max_tokens_per_step, enable_prefix_caching=not args.no_prefix_caching,
+                          max_tokens_per_step=args.max_tokens_per_step,
+                          enable_prefix_caching=not args.no_prefix_caching,
                           max_model_len=args.max_model_len, attention_impl=args.attention_impl,
                           speculative=_speculative(args), async_scheduling=args.async_scheduling,
                           kv_cache=args.kv_cache, compilation_cache=not args.no_compilation_cache,

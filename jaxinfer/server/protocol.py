@@ -155,7 +155,8 @@ class _Common(Body):
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
             schema = rf.json_schema.json_schema
-            strict = bool(rf.json_schema.strict)  # OpenAI's strict mode refuses keywords it cannot enforce; else best effort
+            # OpenAI's strict mode refuses keywords it cannot enforce; a schema without it is best effort
+            strict = bool(rf.json_schema.strict)
             asked.append(("response_format", {"json": strict_schema(schema) if strict else schema,
                                               "ignore_unsupported_keywords": not strict}))
         options = {}  # structured_outputs naming options only: they apply to another field's constraint (vLLM's merge)
